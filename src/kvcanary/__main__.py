@@ -1,0 +1,3 @@
+from kvcanary.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,209 @@
+"""The checks as vectorized torch ops: the CPU path and the reference the GPU kernels match bit for bit.
+
+Stamps are an int64 tensor ``[num_slots, 4]`` with columns :data:`TOKEN`, :data:`POSITION`,
+:data:`LINK`, :data:`CONTENT`; an unwritten slot holds ``EMPTY_STAMP``. Each op returns the
+violation rows it found (int64 ``[n, NUM_FIELDS]``) and adds to ``counters`` in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary import hashing
+from kvcanary.layout import KvLayout
+from kvcanary.step import Step
+from kvcanary.violations import NUM_FIELDS, Check, Counter, Site
+
+TOKEN, POSITION, LINK, CONTENT = 0, 1, 2, 3
+EMPTY_STAMP = (-1, -1, 0, 0)
+_SEED = hashing.signed(hashing.LINK_SEED)
+_B = hashing.signed(hashing.LINK_B)
+
+
+def new_stamps(num_slots: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A stamp pool of ``num_slots`` empty stamps, int64 ``[num_slots, 4]``."""
+    return torch.tensor(EMPTY_STAMP, dtype=torch.int64, device=device).repeat(num_slots, 1)
+
+
+def _rows_of(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For counts ``[R]``: the row of each of ``sum(counts)`` items and each item's index in its row."""
+    r = counts.shape[0]
+    row = torch.repeat_interleave(torch.arange(r, device=counts.device), counts)
+    first = torch.cumsum(counts, 0) - counts
+    idx = torch.arange(row.shape[0], device=counts.device) - first[row]
+    return row, idx
+
+
+def _pack(site: Site, checks: torch.Tensor, step_id: int, cols: list[torch.Tensor]) -> torch.Tensor:
+    """Violation rows for the entries with a non-zero ``checks``; ``cols`` are fields 3.. in order."""
+    hit = checks != 0
+    n = int(hit.sum())
+    out = torch.empty(n, NUM_FIELDS, dtype=torch.int64, device=checks.device)
+    if n:
+        out[:, 0] = int(site)
+        out[:, 1] = checks[hit]
+        out[:, 2] = step_id
+        for i, c in enumerate(cols):
+            out[:, 3 + i] = c[hit]
+    return out
+
+
+def verify(
+    stamps: torch.Tensor,
+    layout: KvLayout,
+    step: Step,
+    counters: torch.Tensor,
+    cursor: torch.Tensor,
+    content_slots: int | None,
+    step_id: int,
+) -> torch.Tensor:
+    """Verify every slot the step reads: position, link, token, and content within the budget.
+
+    Parameters
+    ----------
+    stamps : int64 ``[num_slots, 4]``
+    counters : int64 ``[NUM_COUNTERS]``, updated in place
+    cursor : int64 ``[1]`` rotating start of the content window, advanced in place
+    content_slots : content checks per step (``None``: every read slot)
+    """
+    num_slots = stamps.shape[0]
+    valid = step.valid_rows()
+    start = step.starts()
+    counts = torch.where(valid, step.cached_lens.long() - start, torch.zeros_like(start)).clamp_min(0)
+    row, idx = _rows_of(counts)
+    pos = start[row] + idx
+    slot = step.lookup(row, pos)
+    has_pred = pos > start[row]
+    pred = torch.where(has_pred, step.lookup(row, pos - 1), torch.full_like(slot, -1))
+    bad = (slot < 0) | (slot >= num_slots)
+    pred_ok = has_pred & (pred >= 0) & (pred < num_slots)
+    st = stamps[torch.where(bad, 0, slot)]
+    empty = (st[:, POSITION] == -1) & ~bad
+    readable = ~bad & ~empty
+    linked = readable & ((pos == 0) | pred_ok)
+    prev_link = torch.where(pos == 0, _SEED, stamps[torch.where(pred_ok, pred, 0), LINK])
+    exp_link = torch.where(linked, hashing.link_next(prev_link, st[:, TOKEN], st[:, POSITION]), 0)
+
+    checks = torch.zeros_like(pos)
+    checks |= torch.where(bad, int(Check.BAD_SLOT), 0)
+    checks |= torch.where(empty, int(Check.EMPTY), 0)
+    checks |= torch.where(readable & (st[:, POSITION] != pos), int(Check.POSITION), 0)
+    checks |= torch.where(linked & (st[:, LINK] != exp_link), int(Check.LINK), 0)
+
+    exp_tok = torch.full_like(pos, -1)
+    if step.expected_tokens is not None:
+        et = step.expected_tokens
+        inside = pos < et.shape[1]
+        exp_tok = torch.where(inside, et[row, torch.where(inside, pos, 0)].long(), -1)
+        checks |= torch.where(readable & (exp_tok != -1) & (st[:, TOKEN] != exp_tok), int(Check.TOKEN), 0)
+
+    n = pos.shape[0]
+    exp_content = torch.zeros_like(pos)
+    if layout.sources and n:
+        cur = cursor % n
+        k = n if content_slots is None else min(content_slots, n)
+        in_window = (torch.arange(n, device=pos.device) - cur) % n < k
+        sel = in_window & readable
+        which = sel.nonzero().squeeze(1)
+        exp_content[which] = layout.fingerprint(slot[which])
+        checks |= torch.where(sel & (st[:, CONTENT] != exp_content), int(Check.CONTENT), 0)
+        nsel = which.shape[0]
+        counters[Counter.CONTENT_SLOTS_VERIFIED] += nsel
+        counters[Counter.CONTENT_SLOTS_SKIPPED] += n - k
+        counters[Counter.CONTENT_BYTES_VERIFIED] += nsel * layout.content_bytes_per_slot
+        cursor += k
+
+    counters[Counter.SLOTS_VERIFIED] += n
+    counters[Counter.LINKS_CHECKED] += linked.sum()
+    counters[Counter.LINKS_UNCHECKED] += (readable & ~linked).sum()
+    cols = [row, slot, pos, exp_tok, st[:, TOKEN], st[:, POSITION], exp_link, st[:, LINK], exp_content,
+            st[:, CONTENT], pred]
+    return _pack(Site.VERIFY, checks, step_id, cols)
+
+
+def stamp(
+    stamps: torch.Tensor,
+    layout: KvLayout,
+    step: Step,
+    counters: torch.Tensor,
+    step_id: int,
+) -> torch.Tensor:
+    """Stamp every slot the step wrote (after the forward), and check the writes.
+
+    The links of all new tokens come from one parallel scan; each row's chain starts from the
+    stamp of the slot at ``cached_len - 1`` (or the seed at a sequence head). Padding tokens
+    (slot < 0) and the tokens of padding rows are not stamped. Two tokens of one step written to
+    one slot is an engine bug whose stamp is unspecified (one of the two wins).
+
+    Parameters
+    ----------
+    stamps : int64 ``[num_slots, 4]``, updated in place
+    counters : int64 ``[NUM_COUNTERS]``, updated in place
+    """
+    num_slots = stamps.shape[0]
+    offs = step.new_offsets.long()
+    counts = offs[1:] - offs[:-1]
+    row, j = _rows_of(counts)
+    tok, pos, slot = step.new_tokens.long(), step.new_positions.long(), step.new_slots.long()
+    cached = step.cached_lens.long()
+    writes = (slot >= 0) & step.valid_rows()[row]
+    exp_pos = cached[row] + j
+
+    pslot = step.lookup(torch.arange(step.num_rows, device=offs.device), cached - 1)
+    pslot_ok = (cached > 0) & (pslot >= 0) & (pslot < num_slots)
+    seed = torch.where(cached > 0, stamps[torch.where(pslot_ok, pslot, 0), LINK], _SEED)[row]
+    head = j == 0
+    g = hashing.g_term(tok, pos)
+    a = torch.where(writes, torch.where(head, 0, _B), torch.where(head, 0, 1))
+    b = torch.where(writes, g + torch.where(head, seed * _B, 0), torch.where(head, seed, 0))
+    link = hashing.affine_scan(a, b)
+
+    checks = torch.zeros_like(pos)
+    checks |= torch.where(writes & (pos != exp_pos), int(Check.WRITE_POSITION), 0)
+    table_slot = step.lookup(row, exp_pos)
+    checks |= torch.where(writes & (table_slot != slot), int(Check.WRITE_TABLE), 0)
+    exp_tok = torch.full_like(tok, -1)
+    if step.expected_new_tokens is not None:
+        exp_tok = step.expected_new_tokens.long()
+        checks |= torch.where(writes & (tok != exp_tok), int(Check.WRITE_INPUT_TOKEN), 0)
+    if step.expected_new_positions is not None:
+        checks |= torch.where(writes & (pos != step.expected_new_positions.long()),
+                              int(Check.WRITE_INPUT_POSITION), 0)
+
+    w = writes.nonzero().squeeze(1)
+    ws = slot[w]
+    content = layout.fingerprint(ws)
+    stamps[ws] = torch.stack([tok[w], pos[w], link[w], content], dim=1)
+    full_content = torch.zeros_like(tok)
+    full_content[w] = content
+    counters[Counter.SLOTS_STAMPED] += w.shape[0]
+    counters[Counter.CONTENT_BYTES_STAMPED] += w.shape[0] * layout.content_bytes_per_slot
+    zero = torch.zeros_like(tok)
+    cols = [row, slot, exp_pos, exp_tok, tok, pos, zero, link, zero, full_content, table_slot]
+    return _pack(Site.WRITE, checks, step_id, cols)
+
+
+def scrub(
+    stamps: torch.Tensor,
+    layout: KvLayout,
+    slots: torch.Tensor,
+    counters: torch.Tensor,
+    step_id: int,
+) -> torch.Tensor:
+    """Re-fingerprint stamped ``slots`` (int64 ``[n]``) and compare with their stamps.
+
+    Slots that were never stamped (or were released) are skipped and not counted.
+    """
+    st = stamps[slots]
+    live = st[:, POSITION] >= 0
+    ls = slots[live]
+    exp = layout.fingerprint(ls)
+    got = st[live]
+    checks = torch.where(got[:, CONTENT] != exp, int(Check.CONTENT), 0) if layout.sources else torch.zeros_like(exp)
+    counters[Counter.SLOTS_SCRUBBED] += ls.shape[0]
+    counters[Counter.CONTENT_BYTES_SCRUBBED] += ls.shape[0] * layout.content_bytes_per_slot
+    m1 = torch.full_like(ls, -1)
+    zero = torch.zeros_like(ls)
+    cols = [m1, ls, got[:, POSITION], m1, got[:, TOKEN], got[:, POSITION], zero, got[:, LINK], exp,
+            got[:, CONTENT], m1]
+    return _pack(Site.SCRUB, checks, step_id, cols)

@@ -1,0 +1,104 @@
+"""The canary's configuration: one frozen dataclass, and the environment variables that set it.
+
+Every ``KVCANARY_*`` variable is declared once in :data:`ENV` with the field it sets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Literal
+
+from kvcanary.errors import ConfigError
+
+Mode = Literal["off", "log", "raise"]
+Content = Literal["none", "all"]
+MODES = ("off", "log", "raise")
+CONTENTS = ("none", "all")
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """How the canary checks and reports.
+
+    Parameters
+    ----------
+    mode : ``off`` (engine untouched), ``log`` (report, never raise), ``raise`` (``poll`` raises)
+    content : ``all`` fingerprints every byte of every layout source; ``none`` checks metadata only
+    content_budget_bytes : KV bytes re-fingerprinted per verify (``None``: every read slot); the
+        window rotates across steps and what it leaves out is counted
+    ring_capacity : violation rows held on the device between two polls
+    validate : check step values (ranges) on the host before each op; off under graph capture
+    scrub_slots : slots the patrol scrub re-fingerprints per ``scrub()`` call
+    history : decoded violations kept on the canary for inspection
+    """
+
+    mode: Mode = "log"
+    content: Content = "all"
+    content_budget_bytes: int | None = 32 << 20
+    ring_capacity: int = 4096
+    validate: bool = True
+    scrub_slots: int = 4096
+    history: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if self.content not in CONTENTS:
+            raise ConfigError(f"content: expected one of {CONTENTS}, got {self.content!r}")
+        if self.content_budget_bytes is not None and self.content_budget_bytes < 0:
+            raise ConfigError(f"content_budget_bytes: expected >= 0 or None, got {self.content_budget_bytes}")
+        for name in ("ring_capacity", "scrub_slots", "history"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, base: "CanaryConfig | None" = None, environ: dict[str, str] | None = None) -> "CanaryConfig":
+        """``base`` (default: defaults) with every set ``KVCANARY_*`` variable applied."""
+        env = os.environ if environ is None else environ
+        base = base or cls()
+        changes: dict[str, object] = {}
+        for var, (fname, parse) in ENV.items():
+            if var in env:
+                try:
+                    changes[fname] = parse(env[var])
+                except ValueError as e:
+                    raise ConfigError(f"{var}: {e}") from None
+        return replace(base, **changes)
+
+
+def _optional_int(s: str) -> int | None:
+    if s.strip().lower() in ("", "none", "unlimited"):
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"expected an integer or 'none', got {s!r}") from None
+
+
+def _int(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {s!r}") from None
+
+
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off, got {s!r}")
+
+
+ENV: dict[str, tuple[str, Callable[[str], object]]] = {
+    "KVCANARY_MODE": ("mode", str),
+    "KVCANARY_CONTENT": ("content", str),
+    "KVCANARY_CONTENT_BUDGET_BYTES": ("content_budget_bytes", _optional_int),
+    "KVCANARY_RING_CAPACITY": ("ring_capacity", _int),
+    "KVCANARY_VALIDATE": ("validate", _bool),
+    "KVCANARY_SCRUB_SLOTS": ("scrub_slots", _int),
+}
+
+assert {f for f, _ in ENV.values()} <= {f.name for f in fields(CanaryConfig)}

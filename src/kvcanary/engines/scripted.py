@@ -1,0 +1,332 @@
+"""A scripted paged serving engine without a model, for tests, benchmarks and the selftest.
+
+It has what real engines have around the KV cache: a block pool with reference counts, a prefix
+cache with block sharing and LRU eviction, chunked prefill, decode, abort, and preemption with
+recompute. Its "forward" writes deterministic bytes derived from (token, position, prefix) into
+real per-layer K and V tensors, in one of several layouts, so a canary sees a realistic pool.
+It is not a product: it exists so the canary can be exercised and attacked.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+
+from kvcanary.engines.pool import BlockPool
+from kvcanary.layout import ByteSource, KvLayout
+from kvcanary.step import Step
+
+Layout = Literal["flat", "paged", "packed", "head_major", "mla"]
+_MASK = (1 << 61) - 1
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Shape and behaviour of a scripted engine.
+
+    ``layout``: ``flat`` per-layer K and V ``[num_slots, heads, dim]``; ``paged`` per-layer K and V
+    ``[num_blocks, block_size, heads, dim]``; ``packed`` one ``[num_blocks, 2, block_size, heads,
+    dim]`` tensor per layer; ``head_major`` ``[num_blocks, heads, block_size, dim]``; ``mla`` one
+    latent ``[num_slots, heads * dim]`` row per layer. ``table``: ``token`` (token-to-slot table)
+    or ``block`` (block table). ``window``: attention reads only the last ``window`` positions.
+    """
+
+    num_blocks: int = 48
+    block_size: int = 4
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 8
+    dtype: torch.dtype = torch.float16
+    layout: Layout = "paged"
+    table: Literal["token", "block"] = "block"
+    prefix_cache: bool = True
+    chunk_size: int = 16
+    max_running: int = 6
+    vocab: int = 1000
+    window: int | None = None
+    pad_rows: int = 0
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    rid: int
+    tokens: list[int]
+    prompt_len: int
+    max_new: int
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is in the cache
+    seeds: list[int] = field(default_factory=list)  # rolling prefix hash per position
+
+    def seed(self, p: int) -> int:
+        """A hash of ``tokens[: p + 1]``: what the scripted forward derives position ``p``'s KV from."""
+        while len(self.seeds) <= p:
+            prev = self.seeds[-1] if self.seeds else 0x5C81
+            self.seeds.append(hash((prev, self.tokens[len(self.seeds)])) & _MASK)
+        return self.seeds[p]
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class ScriptedEngine:
+    """Runs requests step by step; ``canary`` (anything with before/after_forward) is called around
+    each forward, and ``hooks`` let tests act at the defined points ``"before_forward"``,
+    ``"after_forward"`` and ``"after_step"`` (callables taking ``(engine, step)``)."""
+
+    def __init__(self, spec: EngineSpec, canary: object | None = None) -> None:
+        self.spec = spec
+        self.canary = canary
+        self.rng = random.Random(spec.seed)
+        self.pool = BlockPool(spec.num_blocks, spec.prefix_cache)
+        self.num_slots = spec.num_blocks * spec.block_size
+        self.kv, self.layout = _make_kv(spec)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.hooks: dict[str, list[Callable[["ScriptedEngine", Step], None]]] = {}
+        self.next_rid = 0
+        self.steps = 0
+        self.tokens_generated = 0
+        self.preemptions = 0
+        self.aborts = 0
+        self.last_step: Step | None = None
+        self.last_rows: list[Request] = []
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int], max_new: int) -> Request:
+        r = Request(self.next_rid, list(prompt), len(prompt), max_new)
+        self.next_rid += 1
+        self.waiting.append(r)
+        return r
+
+    def abort(self, req: Request) -> None:
+        self._free(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.aborts += 1
+
+    def preempt(self, req: Request) -> None:
+        """Free the request's blocks; it recomputes its whole sequence when readmitted."""
+        self._free(req)
+        req.computed = 0
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.preemptions += 1
+
+    def _free(self, req: Request) -> None:
+        for b in req.blocks:
+            self.pool.release(b)
+        req.blocks = []
+
+    def prefix_hash(self, req: Request, nblocks: int) -> int:
+        return req.seed(nblocks * self.spec.block_size - 1)
+
+    # ---- scheduling -----------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        bs = self.spec.block_size
+        while self.waiting and len(self.running) < self.spec.max_running:
+            req = self.waiting.pop(0)
+            shareable = (len(req.tokens) - 1) // bs  # always compute at least the last token
+            for i in range(shareable):
+                b = self.pool.lookup(self.prefix_hash(req, i + 1))
+                if b is None:
+                    break
+                req.blocks.append(b)
+            req.computed = len(req.blocks) * bs
+            self.running.append(req)
+
+    def _reserve(self, req: Request, upto: int) -> bool:
+        """Own blocks for positions ``< upto``, preempting the newest other request if needed."""
+        bs = self.spec.block_size
+        while len(req.blocks) * bs < upto:
+            b = self.pool.allocate()
+            if b is None:
+                victims = [r for r in self.running if r is not req]
+                if not victims:
+                    return False
+                self.preempt(victims[-1])
+                continue
+            req.blocks.append(b)
+        return True
+
+    def step(self) -> Step | None:
+        """Schedule, verify, forward (write KV), stamp, then sample. ``None`` when idle."""
+        self._admit()
+        plan: list[tuple[Request, int]] = []
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted while reserving for another request
+            n = min(self.spec.chunk_size, len(req.tokens) - req.computed)
+            if n > 0 and self._reserve(req, req.computed + n):
+                plan.append((req, n))
+        plan = [(r, n) for r, n in plan if r in self.running]
+        if not plan:
+            return None
+        step = self._build_step(plan)
+        self.last_step, self.last_rows = step, [r for r, _ in plan]
+        self._run_hooks("before_forward", step)
+        if self.canary is not None:
+            self.canary.before_forward(step)  # type: ignore[attr-defined]
+        self.write_kv(step.new_tokens, step.new_positions, step.new_slots, self._seeds(plan))
+        self._run_hooks("after_forward", step)
+        if self.canary is not None:
+            self.canary.after_forward(step)  # type: ignore[attr-defined]
+        self._finish_step(plan)
+        self._run_hooks("after_step", step)
+        self.steps += 1
+        return step
+
+    def _run_hooks(self, point: str, step: Step) -> None:
+        for fn in self.hooks.get(point, []):
+            fn(self, step)
+
+    def _finish_step(self, plan: list[tuple[Request, int]]) -> None:
+        bs = self.spec.block_size
+        for req, n in plan:
+            before = req.computed // bs
+            req.computed += n
+            for i in range(before, req.computed // bs):
+                self.pool.register(req.blocks[i], self.prefix_hash(req, i + 1))
+            if req.computed == len(req.tokens):
+                if req.generated >= req.max_new:
+                    self._free(req)
+                    self.running.remove(req)
+                    self.finished.append(req)
+                else:
+                    req.tokens.append(self.sample(req))
+                    self.tokens_generated += 1
+
+    def sample(self, req: Request) -> int:
+        return (req.seed(len(req.tokens) - 1) * 0x9E37 + 11) % self.spec.vocab
+
+    # ---- step metadata ----------------------------------------------------------------------
+
+    def slots_of(self, req: Request, start: int, end: int) -> list[int]:
+        bs = self.spec.block_size
+        return [req.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _build_step(self, plan: list[tuple[Request, int]]) -> Step:
+        spec, bs = self.spec, self.spec.block_size
+        rows = len(plan) + spec.pad_rows
+        width = max(r.computed + n for r, n in plan)
+        cached = [r.computed for r, _ in plan] + [0] * spec.pad_rows
+        offsets = [0]
+        toks: list[int] = []
+        poss: list[int] = []
+        slots: list[int] = []
+        for req, n in plan:
+            toks += req.tokens[req.computed : req.computed + n]
+            poss += list(range(req.computed, req.computed + n))
+            slots += self.slots_of(req, req.computed, req.computed + n)
+            offsets.append(len(toks))
+        offsets += [len(toks)] * spec.pad_rows
+        exp = torch.full((rows, width), -1, dtype=torch.int64)
+        for i, (req, n) in enumerate(plan):
+            exp[i, : req.computed + n] = torch.tensor(req.tokens[: req.computed + n])
+        kw: dict[str, object] = {}
+        if spec.table == "block":
+            tab = torch.zeros(rows, -(-width // bs), dtype=torch.int32)
+            for i, (req, _) in enumerate(plan):
+                tab[i, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+            kw = dict(block_table=tab, block_size=bs)
+        else:
+            tab = torch.zeros(rows, width, dtype=torch.int32)
+            for i, (req, n) in enumerate(plan):
+                tab[i, : req.computed + n] = torch.tensor(self.slots_of(req, 0, req.computed + n), dtype=torch.int32)
+            kw = dict(slot_table=tab)
+        cached_t = torch.tensor(cached, dtype=torch.int64)
+        starts = None
+        if spec.window is not None:
+            starts = (cached_t - spec.window).clamp_min(0)
+        return Step(
+            cached_lens=cached_t,
+            new_offsets=torch.tensor(offsets, dtype=torch.int64),
+            new_tokens=torch.tensor(toks, dtype=torch.int64),
+            new_positions=torch.tensor(poss, dtype=torch.int64),
+            new_slots=torch.tensor(slots, dtype=torch.int64),
+            read_starts=starts,
+            row_valid=torch.arange(rows) < len(plan),
+            expected_tokens=exp,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    # ---- KV bytes ---------------------------------------------------------------------------
+
+    def _seeds(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
+        out = [req.seed(p) for req, n in plan for p in range(req.computed, req.computed + n)]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def write_kv(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 seeds: torch.Tensor) -> None:
+        """Write every layer's K and V for ``slots`` (padding slots < 0 are skipped)."""
+        keep = slots >= 0
+        slots, seeds = slots[keep], seeds[keep]
+        for li, views in enumerate(self.kv):
+            for hi, view in enumerate(views):
+                width = view.shape[-1]
+                j = torch.arange(width, dtype=torch.int64)
+                v = (seeds[:, None] * 2654435761 + (li * 2 + hi + 1) * 40503 + j * 97) % 65521
+                view[slots] = v.to(torch.int16)
+
+
+def _make_kv(spec: EngineSpec) -> tuple[list[list[torch.Tensor]], KvLayout]:
+    """Per-layer KV tensors, int16 row views indexed by slot, and the layout describing them."""
+    nb, bs, h, d = spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim
+    n = nb * bs
+    views: list[list[torch.Tensor]] = []
+    sources: list[ByteSource] = []
+    for li in range(spec.num_layers):
+        pair: list[torch.Tensor] = []
+        if spec.layout == "mla":
+            t = torch.zeros(n, h * d, dtype=spec.dtype)
+            pair.append(t.view(torch.int16))
+            sources.append(ByteSource.from_tensor(f"layer{li}.latent", t))
+        for hi, half in enumerate("kv" if spec.layout != "mla" else ""):
+            name = f"layer{li}.{half}"
+            if spec.layout == "flat":
+                t = torch.zeros(n, h, d, dtype=spec.dtype)
+                sources.append(ByteSource.from_tensor(name, t))
+                pair.append(t.view(torch.int16).view(n, h * d))
+            elif spec.layout == "paged":
+                t = torch.zeros(nb, bs, h, d, dtype=spec.dtype)
+                sources.append(ByteSource.from_tensor(name, t, page_size=bs))
+                pair.append(t.view(torch.int16).view(n, h * d))
+            elif spec.layout == "packed":
+                if hi == 0:
+                    packed = torch.zeros(nb, 2, bs, h, d, dtype=spec.dtype)
+                sources.append(ByteSource.from_tensor(name, packed[:, hi], page_size=bs))
+                pair.append(_SlotView(packed.view(torch.int16)[:, hi], bs))  # type: ignore[arg-type]
+            else:  # head_major
+                t = torch.zeros(nb, h, bs, d, dtype=spec.dtype)
+                sources.append(ByteSource.from_tensor(name, t.permute(0, 2, 1, 3), page_size=bs))
+                pair.append(_SlotView(t.view(torch.int16).permute(0, 2, 1, 3), bs))  # type: ignore[arg-type]
+        views.append(pair)
+    return views, KvLayout(tuple(sources))
+
+
+class _SlotView:
+    """Slot-indexed rows of a ``[num_blocks, block_size, heads, dim]`` view that is not flat."""
+
+    def __init__(self, t: torch.Tensor, block_size: int) -> None:
+        self.t, self.bs = t, block_size
+        self.shape = (t.shape[0] * block_size, t.shape[2] * t.shape[3])
+
+    def _idx(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.div(slots, self.bs, rounding_mode="floor"), slots % self.bs
+
+    def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
+        b, o = self._idx(slots)
+        return self.t[b, o].reshape(slots.shape[0], -1)
+
+    def __setitem__(self, slots: torch.Tensor, value: torch.Tensor) -> None:
+        b, o = self._idx(slots)
+        self.t[b, o] = value.reshape(slots.shape[0], self.t.shape[2], self.t.shape[3])

@@ -1,0 +1,254 @@
+"""KV layouts as data: where the bytes of slot ``s`` live in an engine's own tensors.
+
+A :class:`ByteSource` describes one byte view of one engine tensor (a layer's K, a layer's V, a
+packed K|V block, an MLA latent row, a quantization-scale strip). Slot ``s`` lives in page
+``s // page_size`` at in-page index ``s % page_size``; its bytes are ``rows`` contiguous runs of
+``row_bytes`` each::
+
+    addr(s, r, b) = offset + (s // page_size) * page_stride + (s % page_size) * token_stride
+                    + r * row_stride + b                      for r < rows, b < row_bytes
+
+All quantities are in bytes. ``read_bytes`` (a multiple of 16, at most the token's bytes) is how
+much of the token's byte sequence the content fingerprint covers; by default all of it.
+A :class:`KvLayout` is an ordered list of sources; the order fixes the fingerprint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvcanary import hashing
+from kvcanary.errors import LayoutError
+
+LOAD_WIDTH = 16  # bytes: content reads are whole 16-byte loads
+MAX_SOURCES = 256  # entries in the fixed-size source table the kernels take
+
+
+@dataclass(frozen=True, eq=False)
+class ByteSource:
+    """One byte view of one engine tensor. Use :meth:`from_tensor` unless the geometry is unusual.
+
+    Parameters
+    ----------
+    name : label used in reports (``"layer3.k"``)
+    tensor : the engine's tensor; only its storage is read, never copied
+    page_size : slots per page (1 for a flat ``[num_slots, ...]`` tensor)
+    num_pages : pages the tensor holds
+    page_stride, token_stride, row_stride, offset : bytes
+    rows, row_bytes : a token's bytes are ``rows`` runs of ``row_bytes`` contiguous bytes
+    read_bytes : bytes of each token the content fingerprint covers (``None``: all of them)
+    """
+
+    name: str
+    tensor: torch.Tensor
+    page_size: int
+    num_pages: int
+    page_stride: int
+    token_stride: int
+    rows: int
+    row_stride: int
+    row_bytes: int
+    offset: int
+    read_bytes: int | None = None
+    _words: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for k in ("page_size", "num_pages", "rows", "row_bytes"):
+            if getattr(self, k) < 1:
+                raise LayoutError(f"source {self.name!r}: {k} must be >= 1, got {getattr(self, k)}")
+        rb = self.bytes_per_token if self.read_bytes is None else self.read_bytes
+        object.__setattr__(self, "read_bytes", rb)
+        if rb <= 0 or rb % LOAD_WIDTH:
+            raise LayoutError(
+                f"source {self.name!r}: content read size must be a positive multiple of {LOAD_WIDTH} "
+                f"bytes, got {rb}" + (" (pass read_bytes explicitly)" if self.read_bytes is None else "")
+            )
+        if rb > self.bytes_per_token:
+            raise LayoutError(
+                f"source {self.name!r}: content read size {rb} exceeds the bytes per token "
+                f"({self.bytes_per_token})"
+            )
+        if self.rows > 1 and rb > self.row_bytes and rb % self.row_bytes:
+            raise LayoutError(
+                f"source {self.name!r}: read size {rb} spans rows, so it must be a multiple of the "
+                f"row size {self.row_bytes}"
+            )
+        for k in ("offset", "page_stride", "token_stride", "row_stride", "row_bytes"):
+            v = getattr(self, k)
+            if v % LOAD_WIDTH and not (k == "row_stride" and self.rows == 1):
+                raise LayoutError(
+                    f"source {self.name!r}: {k} = {v} bytes is not a multiple of the {LOAD_WIDTH}-byte "
+                    "load width"
+                )
+        object.__setattr__(self, "_words", self._word_view())
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def read_rows(self) -> int:
+        assert self.read_bytes is not None
+        return max(1, self.read_bytes // self.row_bytes)
+
+    @property
+    def read_words(self) -> int:
+        """8-byte words of one token the fingerprint reads."""
+        assert self.read_bytes is not None
+        return self.read_bytes // 8
+
+    def _word_view(self) -> torch.Tensor:
+        storage = self.tensor.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
+        flat.set_(storage, 0, (storage.nbytes(),), (1,))
+        usable = storage.nbytes() // 8 * 8
+        words = flat[:usable].view(torch.int64)
+        rw = min(self.read_bytes or 0, self.row_bytes) // 8
+        shape = (self.num_pages, self.page_size, self.read_rows, rw)
+        strides = (self.page_stride // 8, self.token_stride // 8, self.row_stride // 8, 1)
+        last = self.offset + sum((n - 1) * s for n, s in zip(shape, strides)) * 8 + 8
+        if self.offset < 0 or last > usable:
+            raise LayoutError(
+                f"source {self.name!r}: described bytes end at {last}, beyond the tensor's storage "
+                f"of {storage.nbytes()} bytes"
+            )
+        return words.as_strided(shape, strides, self.offset // 8)
+
+    def gather_words(self, slots: torch.Tensor) -> torch.Tensor:
+        """Read the fingerprinted words of ``slots`` (int64 ``[n]``) as int64 ``[n, read_words]``."""
+        v = self._words[torch.div(slots, self.page_size, rounding_mode="floor"), slots % self.page_size]
+        return v.reshape(slots.shape[0], -1)
+
+    @classmethod
+    def from_tensor(
+        cls,
+        name: str,
+        tensor: torch.Tensor,
+        *,
+        page_size: int | None = None,
+        read_bytes: int | None = None,
+    ) -> "ByteSource":
+        """Describe a tensor view ``[num_slots, *inner]`` or ``[num_pages, page_size, *inner]``.
+
+        Pass ``page_size`` for the paged form. The inner dimensions must be contiguous, except
+        that the first of them may have any stride (it becomes ``rows``): a head-major layout is
+        passed as a permuted view ``[num_pages, page_size, num_heads, head_dim]``.
+        """
+        lead = 1 if page_size is None else 2
+        if tensor.dim() < lead + 1:
+            raise LayoutError(
+                f"source {name!r}: expected at least {lead + 1} dims "
+                f"({'[num_slots, ...]' if lead == 1 else '[num_pages, page_size, ...]'}), got shape "
+                f"{tuple(tensor.shape)}"
+            )
+        if page_size is not None and tensor.shape[1] != page_size:
+            raise LayoutError(f"source {name!r}: dim 1 is {tensor.shape[1]}, expected page_size {page_size}")
+        es = tensor.element_size()
+        inner, istr = list(tensor.shape[lead:]), list(tensor.stride()[lead:])
+        rows, row_stride = 1, 0
+        if not _contiguous(inner, istr):
+            if len(inner) > 1 and _contiguous(inner[1:], istr[1:]):
+                rows, row_stride = inner[0], istr[0] * es
+                inner, istr = inner[1:], istr[1:]
+            else:
+                bad = next(i for i in range(len(inner)) if not _contiguous(inner[i:], istr[i:]))
+                raise LayoutError(
+                    f"source {name!r}: inner dimension {lead + bad} (size {inner[bad]}, stride "
+                    f"{istr[bad]}) is not contiguous; expected strides {_dense_strides(inner)} for the "
+                    "inner dims"
+                )
+        row_bytes = math.prod(inner) * es
+        return cls(
+            name=name,
+            tensor=tensor,
+            page_size=1 if page_size is None else page_size,
+            num_pages=tensor.shape[0],
+            page_stride=tensor.stride(0) * es,
+            token_stride=0 if page_size is None else tensor.stride(1) * es,
+            rows=rows,
+            row_stride=row_stride if rows > 1 else row_bytes,
+            row_bytes=row_bytes,
+            offset=tensor.storage_offset() * es,
+            read_bytes=read_bytes,
+        )
+
+
+def _dense_strides(shape: Sequence[int]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    return all(n == 1 or s == d for n, s, d in zip(shape, strides, _dense_strides(shape)))
+
+
+@dataclass(frozen=True, eq=False)
+class KvLayout:
+    """An ordered list of byte sources over one pool of KV slots (empty: metadata only)."""
+
+    sources: tuple[ByteSource, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sources", tuple(self.sources))
+        if len(self.sources) > MAX_SOURCES:
+            raise LayoutError(
+                f"layout has {len(self.sources)} sources, more than the kernel source table holds "
+                f"({MAX_SOURCES})"
+            )
+        devs = {s.tensor.device for s in self.sources}
+        if len(devs) > 1:
+            raise LayoutError(f"layout sources live on several devices: {sorted(map(str, devs))}")
+        object.__setattr__(
+            self, "_keys", [hashing.word_keys(i, s.read_words, s.tensor.device) for i, s in enumerate(self.sources)]
+        )
+
+    @property
+    def content_bytes_per_slot(self) -> int:
+        return sum(s.read_bytes or 0 for s in self.sources)
+
+    def check_covers(self, num_slots: int) -> None:
+        """Raise unless every source holds at least ``num_slots`` slots."""
+        for s in self.sources:
+            if s.num_slots < num_slots:
+                raise LayoutError(
+                    f"source {s.name!r} covers {s.num_slots} slots ({s.num_pages} pages x "
+                    f"{s.page_size}), fewer than the pool's {num_slots}"
+                )
+
+    def fingerprint(self, slots: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """Content fingerprint of each slot, int64 ``[n]`` (0 for a layout with no sources)."""
+        n = slots.shape[0]
+        if not self.sources:
+            return torch.zeros(n, dtype=torch.int64, device=slots.device)
+        acc = torch.zeros(n, dtype=torch.int64, device=slots.device)
+        keys: list[torch.Tensor] = getattr(self, "_keys")
+        for src, key in zip(self.sources, keys):
+            # chunks bound the temporary [chunk, words] tensors to a few MB
+            for lo in range(0, n, chunk):
+                sl = slots[lo : lo + chunk]
+                acc[lo : lo + chunk] += hashing.fold_words(src.gather_words(sl), key)
+        return hashing.finish_content(acc)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        *,
+        page_size: int | None = None,
+        read_bytes: int | None = None,
+    ) -> "KvLayout":
+        """One source per named tensor, all with the same page size and read size."""
+        return cls(
+            tuple(ByteSource.from_tensor(n, t, page_size=page_size, read_bytes=read_bytes) for n, t in tensors)
+        )

@@ -1,0 +1,179 @@
+"""Steps: what one forward pass reads from and writes to the KV cache.
+
+A step has ``R`` rows (requests, padding rows included) and ``T`` new tokens. Row ``r`` reads the
+positions ``[read_starts[r], cached_lens[r])`` of its sequence through its slot table, and writes
+the new tokens ``new_offsets[r] : new_offsets[r+1]``. The slot of position ``p`` of row ``r`` is
+
+* token table: ``slot_table[table_rows[r], p]`` (SGLang's ``req_to_token``);
+* block table: ``block_table[table_rows[r], p // block_size] * block_size + p % block_size``
+  (vLLM, transformers).
+
+Padding is explicit: a row with ``row_valid[r] == False`` reads and writes nothing, and a new
+token whose slot is negative is a padding token that is not written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.errors import StepError
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass
+class Step:
+    """One forward pass's metadata; every tensor on the pool's device.
+
+    Parameters
+    ----------
+    cached_lens : int ``[R]`` tokens already in the cache (read this step)
+    new_offsets : int ``[R + 1]`` cumulative new-token counts, ``new_offsets[0] == 0``
+    new_tokens, new_positions, new_slots : int ``[T]`` the tokens written this step; slot < 0 is padding
+    slot_table : int ``[num_table_rows, max_len]`` token-to-slot table, or
+    block_table : int ``[num_table_rows, max_blocks]`` with ``block_size``
+    table_rows : int ``[R]`` which table row each step row uses (default: row ``r`` uses row ``r``)
+    read_starts : int ``[R]`` first position the attention reads (sliding windows; default 0)
+    row_valid : bool ``[R]`` False marks a padding row (default: all valid)
+    expected_tokens : int ``[R, max_len]`` the request's real token at each position, -1 where unknown
+    expected_new_tokens, expected_new_positions : int ``[T]`` write-input assertion streams
+    """
+
+    cached_lens: torch.Tensor
+    new_offsets: torch.Tensor
+    new_tokens: torch.Tensor
+    new_positions: torch.Tensor
+    new_slots: torch.Tensor
+    slot_table: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    block_size: int = 1
+    table_rows: torch.Tensor | None = None
+    read_starts: torch.Tensor | None = None
+    row_valid: torch.Tensor | None = None
+    expected_tokens: torch.Tensor | None = None
+    expected_new_tokens: torch.Tensor | None = None
+    expected_new_positions: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.cached_lens.shape[0])
+
+    @property
+    def num_new(self) -> int:
+        return int(self.new_tokens.shape[0])
+
+    @property
+    def table(self) -> torch.Tensor:
+        t = self.slot_table if self.slot_table is not None else self.block_table
+        assert t is not None
+        return t
+
+    @property
+    def table_span(self) -> int:
+        """Positions one table row can address."""
+        if self.slot_table is not None:
+            return int(self.slot_table.shape[1])
+        return int(self.table.shape[1]) * self.block_size
+
+    def validate_shapes(self) -> None:
+        """Check kinds, dtypes, shapes and devices (no value reads: safe under graph capture)."""
+        if (self.slot_table is None) == (self.block_table is None):
+            raise StepError("a step needs exactly one of slot_table or block_table")
+        if self.block_size < 1:
+            raise StepError(f"block_size must be >= 1, got {self.block_size}")
+        if self.slot_table is not None and self.block_size != 1:
+            raise StepError(f"block_size applies to block tables only; got {self.block_size} with a slot_table")
+        r, t = self.num_rows, self.num_new
+        dev = self.cached_lens.device
+        expect: dict[str, tuple[int, ...] | None] = {
+            "cached_lens": (r,),
+            "new_offsets": (r + 1,),
+            "new_tokens": (t,),
+            "new_positions": (t,),
+            "new_slots": (t,),
+            "table_rows": (r,),
+            "read_starts": (r,),
+            "row_valid": (r,),
+            "expected_new_tokens": (t,),
+            "expected_new_positions": (t,),
+            "slot_table": None,
+            "block_table": None,
+            "expected_tokens": None,
+        }
+        for name, shape in expect.items():
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, torch.Tensor):
+                raise StepError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
+            want_dtype = (torch.bool,) if name == "row_valid" else _INT_DTYPES
+            if v.dtype not in want_dtype:
+                raise StepError(f"{name}: expected dtype {' or '.join(map(str, want_dtype))}, got {v.dtype}")
+            if v.device != dev:
+                raise StepError(f"{name}: expected device {dev} (that of cached_lens), got {v.device}")
+            if shape is None:
+                if v.dim() != 2:
+                    raise StepError(f"{name}: expected 2 dims, got shape {tuple(v.shape)}")
+            elif tuple(v.shape) != shape:
+                raise StepError(f"{name}: expected shape {shape}, got {tuple(v.shape)}")
+        if self.expected_tokens is not None and self.expected_tokens.shape[0] != r:
+            raise StepError(f"expected_tokens: expected {r} rows, got {self.expected_tokens.shape[0]}")
+        if self.table_rows is None and self.table.shape[0] < r:
+            raise StepError(f"table has {self.table.shape[0]} rows for a step of {r} rows; pass table_rows")
+
+    def validate_values(self, num_slots: int) -> None:
+        """Check value ranges (reads tensors: CPU path and eager use only)."""
+        counts = self.new_offsets[1:] - self.new_offsets[:-1]
+        _check(self.new_offsets[0] == 0, "new_offsets[0]", self.new_offsets[:1], "0")
+        _check(counts >= 0, "new_offsets", self.new_offsets, "non-decreasing")
+        _check(self.new_offsets[-1:] == self.num_new, "new_offsets[-1]", self.new_offsets[-1:], f"{self.num_new} (T)")
+        _check(self.cached_lens >= 0, "cached_lens", self.cached_lens, ">= 0")
+        valid = self.valid_rows()
+        span = self.cached_lens + counts
+        _check((span <= self.table_span) | ~valid, "cached_lens + new tokens", span, f"<= table span {self.table_span}")
+        if self.read_starts is not None:
+            rs = self.read_starts
+            _check((rs >= 0) & (rs <= self.cached_lens), "read_starts", rs, "in [0, cached_lens]")
+            # the first new token chains from position cached_len - 1, which must be readable
+            ok = (rs < self.cached_lens) | (self.cached_lens == 0) | (counts == 0) | ~valid
+            _check(ok, "read_starts", rs, "< cached_lens when a row appends tokens")
+        if self.table_rows is not None:
+            _check((self.table_rows >= 0) & (self.table_rows < self.table.shape[0]), "table_rows",
+                   self.table_rows, f"in [0, {self.table.shape[0]})")
+        _check(self.new_slots < num_slots, "new_slots", self.new_slots, f"< num_slots {num_slots}")
+        _check(self.new_positions >= 0, "new_positions", self.new_positions, ">= 0")
+
+    def valid_rows(self) -> torch.Tensor:
+        if self.row_valid is None:
+            return torch.ones(self.num_rows, dtype=torch.bool, device=self.cached_lens.device)
+        return self.row_valid
+
+    def starts(self) -> torch.Tensor:
+        if self.read_starts is None:
+            return torch.zeros_like(self.cached_lens, dtype=torch.int64)
+        return self.read_starts.long()
+
+    def lookup(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of ``positions`` in step ``rows`` (both int64 ``[n]``), int64 ``[n]``.
+
+        Positions outside the table map to -1.
+        """
+        trow = rows if self.table_rows is None else self.table_rows.long()[rows]
+        inside = (positions >= 0) & (positions < self.table_span)
+        p = torch.where(inside, positions, torch.zeros_like(positions))
+        if self.slot_table is not None:
+            s = self.slot_table[trow, p].long()
+        else:
+            bs = self.block_size
+            s = self.table[trow, torch.div(p, bs, rounding_mode="floor")].long() * bs + p % bs
+        return torch.where(inside, s, torch.full_like(s, -1))
+
+
+def _check(ok: torch.Tensor, name: str, values: torch.Tensor, expected: str) -> None:
+    bad = (~ok).nonzero()
+    if bad.numel():
+        i = tuple(int(x) for x in bad[0])
+        idx = i[0] if len(i) == 1 else i
+        raise StepError(f"{name}: expected {expected}, got {values[i].item()} at index {idx}")

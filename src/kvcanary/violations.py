@@ -1,0 +1,163 @@
+"""Violation ring, counters and typed records.
+
+Checks append rows of ``NUM_FIELDS`` int64 to a fixed-capacity ring on the pool's device and bump
+a monotonic counter; row ``k`` goes to ``ring[k % capacity]``. The host drains rows it has not yet
+seen; rows overwritten before they were drained are counted as lost, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Check(enum.IntFlag):
+    """Which checks failed; a record's ``checks`` is a combination of these bits."""
+
+    POSITION = 1  # the slot holds another position than the table says
+    LINK = 2  # the slot's link does not follow from its predecessor's (foreign, stale or shifted slot)
+    TOKEN = 4  # the slot holds another token than the request has at that position
+    CONTENT = 8  # the slot's KV bytes changed since they were stamped
+    EMPTY = 16  # the slot was never stamped (or was released) but is read
+    BAD_SLOT = 32  # the table points outside the pool
+    WRITE_POSITION = 64  # a new token's position is not cached_len + its index in the row
+    WRITE_TABLE = 128  # a new token was written to another slot than the table holds for its position
+    WRITE_INPUT_TOKEN = 256  # a new token differs from the expected input stream
+    WRITE_INPUT_POSITION = 512  # a new token's position differs from the expected input stream
+
+
+class Site(enum.IntEnum):
+    """Where a violation was found."""
+
+    VERIFY = 0  # before a forward, on a slot the step reads
+    WRITE = 1  # after a forward, on a slot the step wrote
+    SCRUB = 2  # patrol scrub of cached slots
+
+
+# Field indices of a ring row.
+(F_SITE, F_CHECKS, F_STEP, F_ROW, F_SLOT, F_POSITION, F_EXP_TOKEN, F_STORED_TOKEN, F_STORED_POSITION,
+ F_EXP_LINK, F_STORED_LINK, F_EXP_CONTENT, F_STORED_CONTENT, F_AUX) = range(14)
+NUM_FIELDS = 14
+
+
+class Counter(enum.IntEnum):
+    """Slots of the device counter vector."""
+
+    STEPS = 0
+    SLOTS_VERIFIED = 1
+    LINKS_CHECKED = 2
+    LINKS_UNCHECKED = 3  # window heads: their predecessor is not readable
+    CONTENT_SLOTS_VERIFIED = 4
+    CONTENT_SLOTS_SKIPPED = 5  # read this step but left out by the content budget
+    CONTENT_BYTES_VERIFIED = 6
+    SLOTS_STAMPED = 7
+    CONTENT_BYTES_STAMPED = 8
+    SLOTS_SCRUBBED = 9
+    CONTENT_BYTES_SCRUBBED = 10
+    VIOLATIONS = 11
+
+
+NUM_COUNTERS = len(Counter)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One decoded violation. ``expected_*`` is what the step implies, ``stored_*`` the slot's stamp.
+
+    ``row`` is the step row (-1 for scrub); ``position`` is the position the step implies for the
+    slot (verify: the table's position; write: ``cached_len`` + the token's index in its row);
+    ``stored_*`` are what the slot's stamp holds (write: what was just written). ``expected_link``
+    and ``expected_content`` are 0 where that check did not run. ``aux`` is the predecessor slot
+    (verify, -1 at a window or sequence head) or the slot the table maps the position to (write).
+    """
+
+    site: Site
+    checks: Check
+    step: int
+    row: int
+    slot: int
+    position: int
+    expected_token: int
+    stored_token: int
+    stored_position: int
+    expected_link: int
+    stored_link: int
+    expected_content: int
+    stored_content: int
+    aux: int
+
+    @classmethod
+    def from_row(cls, r: list[int]) -> "Violation":
+        return cls(Site(r[F_SITE]), Check(r[F_CHECKS]), *r[F_STEP:])
+
+    def describe(self) -> str:
+        names = "|".join(c.name or "?" for c in Check if c in self.checks)
+        where = f"row {self.row} " if self.row >= 0 else ""
+        s = (
+            f"[{self.site.name.lower()} step {self.step}] {names}: {where}slot {self.slot} "
+            f"position {self.position}"
+        )
+        if Check.POSITION in self.checks or Check.EMPTY in self.checks:
+            s += f" (slot holds position {self.stored_position})"
+        if Check.TOKEN in self.checks or Check.WRITE_INPUT_TOKEN in self.checks:
+            s += f" (token expected {self.expected_token}, got {self.stored_token})"
+        if Check.WRITE_TABLE in self.checks:
+            s += f" (table holds slot {self.aux})"
+        if Check.CONTENT in self.checks:
+            s += " (KV bytes changed since stamped)"
+        return s
+
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["site"] = self.site.name.lower()
+        d["checks"] = [c.name for c in Check if c in self.checks]
+        return d
+
+
+class ViolationRing:
+    """Device ring of violation rows plus the device counter vector.
+
+    Parameters
+    ----------
+    capacity : rows the ring holds before old, undrained rows are overwritten (counted as lost)
+    """
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.rows = torch.zeros(capacity, NUM_FIELDS, dtype=torch.int64, device=device)
+        self.counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=device)
+        self.drained = 0
+        self.lost = 0
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Append int64 ``[n, NUM_FIELDS]`` rows (torch path; n is known on the host)."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        start = int(self.counters[Counter.VIOLATIONS])
+        if n > self.capacity:  # only the last `capacity` rows can survive
+            rows = rows[n - self.capacity :]
+            start += n - self.capacity
+        idx = torch.arange(start, start + rows.shape[0], device=rows.device) % self.capacity
+        self.rows[idx] = rows
+        self.counters[Counter.VIOLATIONS] += n
+
+    def drain(self) -> list[Violation]:
+        """Decode the rows written since the last drain (syncs with the device)."""
+        total = int(self.counters[Counter.VIOLATIONS])
+        new = total - self.drained
+        if new <= 0:
+            return []
+        keep = min(new, self.capacity)
+        self.lost += new - keep
+        first = total - keep
+        idx = torch.arange(first, total) % self.capacity
+        host = self.rows[idx.to(self.rows.device)].cpu().tolist()
+        self.drained = total
+        return [Violation.from_row(r) for r in host]
+
+    def counter_values(self) -> dict[str, int]:
+        vals = self.counters.cpu().tolist()
+        return {c.name.lower(): int(vals[c]) for c in Counter}
