@@ -60,12 +60,13 @@ class ByteSource:
         for k in ("page_size", "num_pages", "rows", "row_bytes"):
             if getattr(self, k) < 1:
                 raise LayoutError(f"source {self.name!r}: {k} must be >= 1, got {getattr(self, k)}")
+        implicit = self.read_bytes is None
         rb = self.bytes_per_token if self.read_bytes is None else self.read_bytes
         object.__setattr__(self, "read_bytes", rb)
         if rb <= 0 or rb % LOAD_WIDTH:
             raise LayoutError(
                 f"source {self.name!r}: content read size must be a positive multiple of {LOAD_WIDTH} "
-                f"bytes, got {rb}" + (" (pass read_bytes explicitly)" if self.read_bytes is None else "")
+                f"bytes, got {rb}" + (" (pass read_bytes explicitly)" if implicit else "")
             )
         if rb > self.bytes_per_token:
             raise LayoutError(

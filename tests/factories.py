@@ -1,0 +1,98 @@
+"""Input factories shared by tests and benchmarks: random pools, sequences and steps."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvcanary.layout import ByteSource, KvLayout
+from kvcanary.step import Step
+
+
+def paged_layout(num_blocks: int, block_size: int, row: int = 32, nsrc: int = 2, seed: int = 0) -> KvLayout:
+    g = torch.Generator().manual_seed(seed)
+    return KvLayout(tuple(
+        ByteSource.from_tensor(f"s{i}", torch.randint(0, 256, (num_blocks, block_size, row), dtype=torch.uint8, generator=g),
+                               page_size=block_size)
+        for i in range(nsrc)
+    ))
+
+
+def random_step(
+    rng: random.Random,
+    num_slots: int,
+    block_size: int,
+    lens: list[tuple[int, int]],
+    kind: str = "block",
+    pad_rows: int = 0,
+    pad_tokens: bool = False,
+    window: int | None = None,
+) -> tuple[Step, list[list[int]]]:
+    """A step whose rows have ``(cached, new)`` lengths; slots are distinct blocks drawn at random.
+
+    Returns the step and each row's token stream (cached + new).
+    """
+    blocks_needed = [-(-(c + n) // block_size) for c, n in lens]
+    perm = rng.sample(range(num_slots // block_size), sum(blocks_needed))
+    rows = len(lens) + pad_rows
+    width = max([c + n for c, n in lens] + [1])
+    tab = torch.zeros(rows, -(-width // block_size), dtype=torch.int64)
+    stoks, offs, toks, poss, slots, exp_new = [], [0], [], [], [], []
+    k = 0
+    for r, ((c, n), nb) in enumerate(zip(lens, blocks_needed)):
+        tab[r, :nb] = torch.tensor(perm[k : k + nb])
+        k += nb
+        seq = [rng.randrange(1 << 16) for _ in range(c + n)]
+        stoks.append(seq)
+        for p in range(c, c + n):
+            toks.append(seq[p])
+            poss.append(p)
+            s = int(tab[r, p // block_size]) * block_size + p % block_size
+            slots.append(-1 if pad_tokens and rng.random() < 0.2 else s)
+        offs.append(len(toks))
+    offs += [len(toks)] * pad_rows
+    exp = torch.full((rows, width), -1, dtype=torch.int64)
+    for r, seq in enumerate(stoks):
+        exp[r, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
+    cached = torch.tensor([c for c, _ in lens] + [rng.randrange(5) for _ in range(pad_rows)])
+    kw: dict = {"block_table": tab, "block_size": block_size}
+    if kind == "token":
+        pos = torch.arange(tab.shape[1] * block_size)
+        kw = {"slot_table": tab[:, pos // block_size] * block_size + pos % block_size}
+    step = Step(
+        cached_lens=cached,
+        new_offsets=torch.tensor(offs),
+        new_tokens=torch.tensor(toks, dtype=torch.int64),
+        new_positions=torch.tensor(poss, dtype=torch.int64),
+        new_slots=torch.tensor(slots, dtype=torch.int64),
+        row_valid=torch.arange(rows) < len(lens),
+        expected_tokens=exp,
+        read_starts=None if window is None else (cached - window).clamp_min(0),
+        **kw,
+    )
+    return step, stoks
+
+
+def prefill_of(step: Step, stoks: list[list[int]]) -> Step:
+    """The step that wrote the cached part of ``step``'s rows as one prefill from position 0."""
+    offs, toks, poss = [0], [], []
+    for r, seq in enumerate(stoks):
+        c = int(step.cached_lens[r])
+        toks += seq[:c]
+        poss += list(range(c))
+        offs.append(len(toks))
+    nvalid = len(stoks)
+    rows = torch.arange(nvalid)
+    poss_t = torch.tensor(poss, dtype=torch.int64)
+    row_of = torch.repeat_interleave(rows, torch.tensor([o2 - o1 for o1, o2 in zip(offs, offs[1:])]))
+    return Step(
+        cached_lens=torch.zeros(nvalid, dtype=torch.int64),
+        new_offsets=torch.tensor(offs),
+        new_tokens=torch.tensor(toks, dtype=torch.int64),
+        new_positions=poss_t,
+        new_slots=step.lookup(row_of, poss_t),
+        slot_table=step.slot_table[:nvalid] if step.slot_table is not None else None,
+        block_table=step.block_table[:nvalid] if step.block_table is not None else None,
+        block_size=step.block_size,
+    )

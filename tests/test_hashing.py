@@ -1,0 +1,93 @@
+"""Golden vectors and torch == plain Python for the link and content formulas."""
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcanary import hashing as h
+
+GOLDEN_FMIX = {0: 0x0, 1: 0xB456BCFC34C2CB2C, 0xDEADBEEF: 0xD24BD59F862A1DAC}  # murmur3 fmix64
+
+
+def test_golden_fmix64():
+    for x, want in GOLDEN_FMIX.items():
+        assert h.py_fmix64(x) == want
+        assert h.unsigned(int(h.fmix64(torch.tensor([h.signed(x)]))[0])) == want
+
+
+def test_golden_links():
+    assert h.py_g(0, 0) == 0xF4AA7626012E7756
+    assert h.py_g(128000, 32767) == 0x6287A14971F5DE2E
+    assert h.py_links([1, 2, 3], [0, 1, 2]) == [0xF0F9198C2F728C73, 0xFD6125A707E26414, 0x96DA50B8337EC894]
+
+
+def test_golden_content():
+    assert h.py_content([bytes(range(16)), bytes(range(16, 48))]) == 0x1AE670AC91151497
+    assert h.py_content([bytes(16)]) == 0xC4D50662E831399A
+    assert h.py_content([]) == 0
+
+
+u64 = st.integers(min_value=0, max_value=h.MASK64)
+
+
+@given(st.lists(st.tuples(u64, u64), min_size=1, max_size=20))
+def test_torch_matches_python_g_and_link(pairs):
+    toks = torch.tensor([h.signed(t) for t, _ in pairs])
+    poss = torch.tensor([h.signed(p) for _, p in pairs])
+    prev = torch.tensor([h.signed(t ^ 0x1234) for t, _ in pairs])
+    got = h.link_next(prev, toks, poss).tolist()
+    want = [h.signed(h.py_link(t ^ 0x1234, t, p)) for t, p in pairs]
+    assert got == want
+
+
+@settings(max_examples=50)
+@given(st.lists(st.integers(min_value=1, max_value=9), min_size=1, max_size=12), st.integers(0, 2**32))
+def test_affine_scan_segmented_equals_serial_chains(lengths, seed):
+    rng = random.Random(seed)
+    a, b, want = [], [], []
+    for n in lengths:
+        toks = [rng.randrange(1 << 17) for _ in range(n)]
+        start = rng.randrange(50)
+        prev = None if start == 0 else rng.getrandbits(64)
+        poss = list(range(start, start + n))
+        p = prev
+        for i, (t, q) in enumerate(zip(toks, poss)):
+            g = h.py_g(t, q)
+            if i == 0:
+                a.append(0)
+                b.append(h.signed(h.LINK_B * (h.LINK_SEED if prev is None else prev) + g))
+            else:
+                a.append(h.signed(h.LINK_B))
+                b.append(h.signed(g))
+            p = h.py_link(p, t, q)
+            want.append(h.signed(p))
+    got = h.affine_scan(torch.tensor(a), torch.tensor(b)).tolist()
+    assert got == want
+
+
+@given(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=6), st.integers(1, 4))
+def test_fold_matches_python_content(chunks, nsrc):
+    rows = [b"".join(chunks) for _ in range(nsrc)]
+    rows = [bytes((x + i) % 256 for x in r) for i, r in enumerate(rows)]
+    acc = torch.zeros(1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        words = torch.frombuffer(bytearray(r), dtype=torch.int64).view(1, -1)
+        acc += h.fold_words(words, h.word_keys(i, words.shape[1], torch.device("cpu")))
+    assert h.unsigned(int(h.finish_content(acc)[0])) == h.py_content(rows)
+
+
+def test_content_sees_every_single_bit():
+    row = bytearray(random.Random(1).randbytes(64))
+    base = h.py_content([bytes(row)])
+    for bit in range(64 * 8):
+        flipped = bytearray(row)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        assert h.py_content([bytes(flipped)]) != base, bit
+
+
+def test_content_sees_swapped_words():
+    row = random.Random(2).randbytes(32)
+    swapped = row[8:16] + row[:8] + row[16:]
+    assert h.py_content([row]) != h.py_content([swapped])
