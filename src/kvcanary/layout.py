@@ -128,6 +128,15 @@ class ByteSource:
         v = self._words[torch.div(slots, self.page_size, rounding_mode="floor"), slots % self.page_size]
         return v.reshape(slots.shape[0], -1)
 
+    def slot_bytes(self, slot: int) -> torch.Tensor:
+        """A writable uint8 view ``[rows, row_bytes]`` of one slot's bytes (fault injection, tests)."""
+        storage = self.tensor.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
+        flat.set_(storage, 0, (storage.nbytes(),), (1,))
+        page, off = divmod(slot, self.page_size)
+        base = self.offset + page * self.page_stride + off * self.token_stride
+        return flat.as_strided((self.rows, self.row_bytes), (self.row_stride, 1), base)
+
     @classmethod
     def from_tensor(
         cls,

@@ -126,8 +126,8 @@ class Step:
     def validate_values(self, num_slots: int) -> None:
         """Check value ranges (reads tensors: CPU path and eager use only)."""
         counts = self.new_offsets[1:] - self.new_offsets[:-1]
-        _check(self.new_offsets[0] == 0, "new_offsets[0]", self.new_offsets[:1], "0")
-        _check(counts >= 0, "new_offsets", self.new_offsets, "non-decreasing")
+        _check(self.new_offsets[:1] == 0, "new_offsets[0]", self.new_offsets[:1], "0")
+        _check(counts >= 0, "new_offsets increments", counts, "non-decreasing")
         _check(self.new_offsets[-1:] == self.num_new, "new_offsets[-1]", self.new_offsets[-1:], f"{self.num_new} (T)")
         _check(self.cached_lens >= 0, "cached_lens", self.cached_lens, ">= 0")
         valid = self.valid_rows()

@@ -1,0 +1,175 @@
+"""Modes, reporting, the ring's overflow accounting, release, counters, configuration."""
+
+import logging
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvcanary
+from kvcanary import Canary, CanaryConfig, Check, ConfigError, KvCorruptionError, StepError, UnsupportedError
+from kvcanary.violations import NUM_FIELDS, ViolationRing
+
+from factories import paged_layout, prefill_of, random_step
+
+NB, BS = 16, 4
+
+
+def primed(mode, **cfg):
+    rng = random.Random(5)
+    layout = paged_layout(NB, BS, seed=5)
+    c = Canary(NB * BS, layout, CanaryConfig(mode=mode, **cfg))
+    step, stoks = random_step(rng, NB * BS, BS, [(6, 1), (9, 1)])
+    c.after_forward(prefill_of(step, stoks))
+    return c, step, layout
+
+
+def test_raise_mode_raises_structured_error():
+    c, step, layout = primed("raise")
+    layout.sources[0].slot_bytes(int(step.lookup(torch.tensor([1]), torch.tensor([4]))[0]))[0, -1] ^= 0xFF
+    c.before_forward(step)
+    with pytest.raises(KvCorruptionError) as ei:
+        c.poll()
+    v = ei.value.first
+    assert v.checks == Check.CONTENT and v.row == 1 and v.position == 4
+    assert "CONTENT" in str(ei.value) and "row 1" in str(ei.value)
+    assert v.to_dict()["checks"] == ["CONTENT"]
+
+
+def test_log_mode_logs_and_never_raises(caplog):
+    c, step, _ = primed("log")
+    c.stamps[int(step.lookup(torch.tensor([0]), torch.tensor([2]))[0]), 1] = 77
+    with caplog.at_level(logging.WARNING, "kvcanary"):
+        c.before_forward(step)
+        v = c.poll()
+    assert len(v) == 1 and Check.POSITION in v[0].checks
+    assert "POSITION" in caplog.text
+    bad = random_step(random.Random(1), NB * BS, BS, [(3, 1)])[0]
+    bad.new_slots[0] = 10**6  # an invalid step: counted as an internal error, not raised
+    c.after_forward(bad)
+    c.before_forward("not a step")  # type: ignore[arg-type]
+    assert c.stats()["internal_errors"] == 2
+
+
+def test_raise_mode_raises_internal_errors():
+    c, _, _ = primed("raise")
+    bad = random_step(random.Random(1), NB * BS, BS, [(3, 1)])[0]
+    bad.new_slots[0] = 10**6
+    with pytest.raises(StepError):
+        c.after_forward(bad)
+
+
+def test_off_mode_does_nothing():
+    c, step, layout = primed("off")
+    layout.sources[0].tensor.view(-1)[:] ^= 1
+    c.before_forward(step)
+    c.after_forward(step)
+    assert c.poll() == [] and c.stats()["slots_verified"] == 0 and c.stats()["slots_stamped"] == 0
+
+
+def test_ring_overflow_is_counted_not_lost_silently():
+    ring = ViolationRing(4, torch.device("cpu"))
+    rows = torch.zeros(10, NUM_FIELDS, dtype=torch.int64)
+    rows[:, 2] = torch.arange(10)  # step field tells the rows apart
+    ring.append(rows[:3])
+    ring.append(rows[3:])
+    got = ring.drain()
+    assert [v.step for v in got] == [6, 7, 8, 9] and ring.lost == 6
+    ring.append(rows[:2])
+    assert [v.step for v in ring.drain()] == [0, 1] and ring.lost == 6
+
+
+def test_poll_reports_lost_rows():
+    c, step, _ = primed("raise", ring_capacity=2)
+    c.stamps[:, 2] ^= 1  # every link broken
+    c.before_forward(step)
+    with pytest.raises(KvCorruptionError, match="lost to ring overflow") as ei:
+        c.poll()
+    assert len(ei.value.violations) == 2 and ei.value.lost == 13
+    assert c.stats()["violations"] == 15 and c.stats()["violations_lost"] == 13
+
+
+def test_release_makes_reads_empty():
+    c, step, _ = primed("log")
+    s = step.lookup(torch.tensor([0]), torch.tensor([3]))
+    c.release(s)
+    c.before_forward(step)
+    v = c.poll()
+    assert [(x.checks, x.position) for x in v if x.row == 0][0] == (Check.EMPTY, 3)
+
+
+def test_callbacks_receive_violations():
+    got = []
+    rng = random.Random(5)
+    c = Canary(NB * BS, paged_layout(NB, BS), CanaryConfig(mode="log"), on_violation=[got.extend])
+    step, stoks = random_step(rng, NB * BS, BS, [(6, 1)])
+    c.before_forward(step)  # nothing stamped yet: every read is EMPTY
+    c.poll()
+    assert len(got) == 6 and all(v.checks == Check.EMPTY for v in got)
+
+
+def test_counters():
+    c, step, layout = primed("raise", content_budget_bytes=None)
+    c.before_forward(step)
+    c.after_forward(step)
+    s = c.stats()
+    assert s["slots_verified"] == 15 and s["slots_stamped"] == 15 + 2 and s["steps"] == 2
+    assert s["content_bytes_verified"] == 15 * layout.content_bytes_per_slot
+    assert s["content_bytes_stamped"] == 17 * layout.content_bytes_per_slot
+
+
+def test_metadata_only_content_none():
+    c, step, layout = primed("raise", content="none")
+    layout.sources[0].tensor.view(-1)[:] ^= 1
+    c.before_forward(step)
+    assert c.poll() == [] and c.stats()["content_bytes_verified"] == 0
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="mode: expected one of .*, got 'loud'"):
+        CanaryConfig(mode="loud")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="ring_capacity: expected >= 1, got 0"):
+        CanaryConfig(ring_capacity=0)
+    with pytest.raises(ConfigError, match="less than one slot's 64 content bytes"):
+        Canary(NB * BS, paged_layout(NB, BS), CanaryConfig(content_budget_bytes=10))
+    with pytest.raises(ConfigError, match="num_slots: expected 1 .*, got 0"):
+        Canary(0)
+    with pytest.raises(UnsupportedError, match="device: expected cpu or cuda, got meta"):
+        Canary(4, device="meta")
+
+
+def test_config_from_env():
+    cfg = CanaryConfig.from_env(environ={"KVCANARY_MODE": "raise", "KVCANARY_CONTENT_BUDGET_BYTES": "none",
+                                         "KVCANARY_VALIDATE": "0", "KVCANARY_RING_CAPACITY": "64"})
+    assert (cfg.mode, cfg.content_budget_bytes, cfg.validate, cfg.ring_capacity) == ("raise", None, False, 64)
+    with pytest.raises(ConfigError, match="KVCANARY_RING_CAPACITY: expected an integer, got 'many'"):
+        CanaryConfig.from_env(environ={"KVCANARY_RING_CAPACITY": "many"})
+
+
+def test_env_table_listed_in_readme():
+    from pathlib import Path
+
+    from kvcanary.config import ENV
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for var in ENV:
+        assert f"`{var}`" in readme, var
+
+
+def test_public_surface_is_pinned():
+    assert sorted(kvcanary.__all__) == [
+        "ByteSource", "Canary", "CanaryConfig", "Check", "ConfigError", "KvCanaryError", "KvCorruptionError",
+        "KvLayout", "LayoutError", "Site", "Step", "StepError", "UnsupportedError", "Violation",
+    ]
+
+
+def test_cpu_path_never_imports_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import kvcanary\n"
+        "from kvcanary.cli import main\n"
+        "assert main(['demo', '--requests', '4', '--json']) == 0\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
