@@ -34,6 +34,13 @@ def _rows_of(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return row, idx
 
 
+def _bump(counters: torch.Tensor, *pairs: tuple[Counter, int | torch.Tensor]) -> None:
+    """Add to several counters with one indexed add."""
+    idx = torch.tensor([int(c) for c, _ in pairs], device=counters.device)
+    vals = torch.stack([torch.as_tensor(v, dtype=torch.int64, device=counters.device) for _, v in pairs])
+    counters.index_add_(0, idx, vals)
+
+
 def _pack(site: Site, checks: torch.Tensor, step_id: int, cols: list[torch.Tensor]) -> torch.Tensor:
     """Violation rows for the entries with a non-zero ``checks``; ``cols`` are fields 3.. in order."""
     hit = checks != 0
@@ -73,8 +80,8 @@ def verify(
     row, idx = _rows_of(counts)
     pos = start[row] + idx
     slot = step.lookup(row, pos)
-    has_pred = pos > start[row]
-    pred = torch.where(has_pred, step.lookup(row, pos - 1), torch.full_like(slot, -1))
+    has_pred = idx > 0  # a row's entries are consecutive: the predecessor is the previous entry
+    pred = torch.where(has_pred, slot.roll(1), -1)
     bad = (slot < 0) | (slot >= num_slots)
     pred_ok = has_pred & (pred >= 0) & (pred < num_slots)
     st = stamps[torch.where(bad, 0, slot)]
@@ -108,14 +115,12 @@ def verify(
         exp_content[which] = layout.fingerprint(slot[which])
         checks |= torch.where(sel & (st[:, CONTENT] != exp_content), int(Check.CONTENT), 0)
         nsel = which.shape[0]
-        counters[Counter.CONTENT_SLOTS_VERIFIED] += nsel
-        counters[Counter.CONTENT_SLOTS_SKIPPED] += n - k
-        counters[Counter.CONTENT_BYTES_VERIFIED] += nsel * layout.content_bytes_per_slot
+        _bump(counters, (Counter.CONTENT_SLOTS_VERIFIED, nsel), (Counter.CONTENT_SLOTS_SKIPPED, n - k),
+              (Counter.CONTENT_BYTES_VERIFIED, nsel * layout.content_bytes_per_slot))
         cursor += k
 
-    counters[Counter.SLOTS_VERIFIED] += n
-    counters[Counter.LINKS_CHECKED] += linked.sum()
-    counters[Counter.LINKS_UNCHECKED] += (readable & ~linked).sum()
+    _bump(counters, (Counter.SLOTS_VERIFIED, n), (Counter.LINKS_CHECKED, linked.sum()),
+          (Counter.LINKS_UNCHECKED, (readable & ~linked).sum()))
     cols = [row, slot, pos, exp_tok, st[:, TOKEN], st[:, POSITION], exp_link, st[:, LINK], exp_content,
             st[:, CONTENT], pred]
     return _pack(Site.VERIFY, checks, step_id, cols)
@@ -176,8 +181,8 @@ def stamp(
     stamps[ws] = torch.stack([tok[w], pos[w], link[w], content], dim=1)
     full_content = torch.zeros_like(tok)
     full_content[w] = content
-    counters[Counter.SLOTS_STAMPED] += w.shape[0]
-    counters[Counter.CONTENT_BYTES_STAMPED] += w.shape[0] * layout.content_bytes_per_slot
+    _bump(counters, (Counter.SLOTS_STAMPED, w.shape[0]),
+          (Counter.CONTENT_BYTES_STAMPED, w.shape[0] * layout.content_bytes_per_slot))
     zero = torch.zeros_like(tok)
     cols = [row, slot, exp_pos, exp_tok, tok, pos, zero, link, zero, full_content, table_slot]
     return _pack(Site.WRITE, checks, step_id, cols)
@@ -200,8 +205,8 @@ def scrub(
     exp = layout.fingerprint(ls)
     got = st[live]
     checks = torch.where(got[:, CONTENT] != exp, int(Check.CONTENT), 0) if layout.sources else torch.zeros_like(exp)
-    counters[Counter.SLOTS_SCRUBBED] += ls.shape[0]
-    counters[Counter.CONTENT_BYTES_SCRUBBED] += ls.shape[0] * layout.content_bytes_per_slot
+    _bump(counters, (Counter.SLOTS_SCRUBBED, ls.shape[0]),
+          (Counter.CONTENT_BYTES_SCRUBBED, ls.shape[0] * layout.content_bytes_per_slot))
     m1 = torch.full_like(ls, -1)
     zero = torch.zeros_like(ls)
     cols = [m1, ls, got[:, POSITION], m1, got[:, TOKEN], got[:, POSITION], zero, got[:, LINK], exp,

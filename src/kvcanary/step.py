@@ -172,6 +172,8 @@ class Step:
 
 
 def _check(ok: torch.Tensor, name: str, values: torch.Tensor, expected: str) -> None:
+    if bool(ok.all()):
+        return
     bad = (~ok).nonzero()
     if bad.numel():
         i = tuple(int(x) for x in bad[0])
