@@ -14,7 +14,7 @@ from kvcanary.config import CanaryConfig
 from kvcanary.errors import ConfigError, KvCanaryError, KvCorruptionError, UnsupportedError
 from kvcanary.layout import KvLayout
 from kvcanary.step import Step
-from kvcanary.violations import Counter, Violation, ViolationRing
+from kvcanary.violations import Counter, Site, Violation, ViolationRing
 
 log = logging.getLogger("kvcanary")
 MAX_SLOTS = 1 << 62  # slot ids and byte offsets are int64
@@ -143,6 +143,28 @@ class Canary:
     def release(self, slots: torch.Tensor) -> None:
         """Forget the stamps of freed ``slots``: a later read of them before a write is ``EMPTY``."""
         self.stamps[slots.long()] = torch.tensor(checks.EMPTY_STAMP, dtype=torch.int64, device=self.device)
+
+    def export_stamps(self, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of the stamps of ``slots`` (int64 ``[n, 4]``) to travel with their KV to another tier."""
+        return self.stamps[slots.long()].clone()
+
+    @_guarded
+    def import_stamps(self, slots: torch.Tensor, stamps: torch.Tensor | None) -> None:
+        """Install stamps that travelled with KV now landed in ``slots``, and verify the landed bytes.
+
+        Every landed slot is re-fingerprinted at once, so a copy that landed nothing, landed
+        torn, or landed another block's bytes is reported (site ``transfer``). ``stamps=None``
+        (a tier that lost them) marks the slots unstamped, so a read reports ``EMPTY``.
+        """
+        slots = slots.long()
+        if stamps is None:
+            self.release(slots)
+            return
+        if stamps.shape != (slots.shape[0], 4):
+            raise KvCanaryError(f"stamps: expected shape ({slots.shape[0]}, 4), got {tuple(stamps.shape)}")
+        self.stamps[slots] = stamps.to(self.device, torch.int64)
+        rows = checks.scrub(self.stamps, self.layout, slots, self.ring.counters, self.step_id, Site.TRANSFER)
+        self.ring.append(rows)
 
     def poll(self) -> list[Violation]:
         """Drain the violations recorded since the last poll, report them and return them.

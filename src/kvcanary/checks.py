@@ -194,6 +194,7 @@ def scrub(
     slots: torch.Tensor,
     counters: torch.Tensor,
     step_id: int,
+    site: Site = Site.SCRUB,
 ) -> torch.Tensor:
     """Re-fingerprint stamped ``slots`` (int64 ``[n]``) and compare with their stamps.
 
@@ -211,4 +212,4 @@ def scrub(
     zero = torch.zeros_like(ls)
     cols = [m1, ls, got[:, POSITION], m1, got[:, TOKEN], got[:, POSITION], zero, got[:, LINK], exp,
             got[:, CONTENT], m1]
-    return _pack(Site.SCRUB, checks, step_id, cols)
+    return _pack(site, checks, step_id, cols)

@@ -34,6 +34,7 @@ class Site(enum.IntEnum):
     VERIFY = 0  # before a forward, on a slot the step reads
     WRITE = 1  # after a forward, on a slot the step wrote
     SCRUB = 2  # patrol scrub of cached slots
+    TRANSFER = 3  # KV landed from another tier or machine, checked against its travelling stamps
 
 
 # Field indices of a ring row.

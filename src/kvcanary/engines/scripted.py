@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -48,6 +48,7 @@ class EngineSpec:
     vocab: int = 1000
     window: int | None = None
     pad_rows: int = 0
+    offload: bool = False  # preemption copies KV (and stamps) to a host tier and reloads it
     seed: int = 0
 
 
@@ -59,6 +60,7 @@ class Request:
     max_new: int
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the cache
+    offloaded: dict | None = None  # host copy of the KV while preempted (offload engines)
     seeds: list[int] = field(default_factory=list)  # rolling prefix hash per position
 
     def seed(self, p: int) -> int:
@@ -76,7 +78,9 @@ class Request:
 class ScriptedEngine:
     """Runs requests step by step; ``canary`` (anything with before/after_forward) is called around
     each forward, and ``hooks`` let tests act at the defined points ``"before_forward"``,
-    ``"after_forward"`` and ``"after_step"`` (callables taking ``(engine, step)``)."""
+    ``"after_forward"`` and ``"after_step"`` (callables taking ``(engine, step)``), and
+    ``"offload"`` / ``"reload"`` (callables taking ``(engine, payload)``, where the payload holds the
+    host copy: ``kv`` per layer and half, ``stamps``, and on reload the destination ``slots``)."""
 
     def __init__(self, spec: EngineSpec, canary: object | None = None) -> None:
         self.spec = spec
@@ -88,12 +92,14 @@ class ScriptedEngine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: list[Request] = []
-        self.hooks: dict[str, list[Callable[["ScriptedEngine", Step], None]]] = {}
+        self.hooks: dict[str, list[Callable[["ScriptedEngine", Any], None]]] = {}
         self.next_rid = 0
         self.steps = 0
         self.tokens_generated = 0
         self.preemptions = 0
         self.aborts = 0
+        self.offloads = 0
+        self.reloads = 0
         self.last_step: Step | None = None
         self.last_rows: list[Request] = []
 
@@ -114,12 +120,48 @@ class ScriptedEngine:
         self.aborts += 1
 
     def preempt(self, req: Request) -> None:
-        """Free the request's blocks; it recomputes its whole sequence when readmitted."""
+        """Free the request's blocks; it recomputes its whole sequence when readmitted, or, with
+        ``spec.offload``, reloads its KV (and stamps) from the host tier."""
+        if self.spec.offload and req.computed:
+            self._offload(req)
         self._free(req)
         req.computed = 0
         self.running.remove(req)
         self.waiting.insert(0, req)
         self.preemptions += 1
+
+    def _offload(self, req: Request) -> None:
+        slots = torch.tensor(self.slots_of(req, 0, req.computed), dtype=torch.int64)
+        payload = {
+            "count": req.computed,
+            "kv": [[view[slots].clone() for view in pair] for pair in self.kv],
+            "stamps": self.canary.export_stamps(slots) if self.canary is not None else None,  # type: ignore[attr-defined]
+        }
+        self._run_hooks("offload", payload)
+        req.offloaded = payload
+        self.offloads += 1
+
+    def _reload(self, req: Request) -> bool:
+        """Bring an offloaded request's KV back into fresh blocks; False if the pool is full."""
+        payload = req.offloaded
+        assert payload is not None
+        n = payload["count"]
+        if not self._reserve(req, n, preempt=False):  # admission never preempts: no ping-pong
+            self._free(req)
+            return False
+        req.offloaded = None
+        slots = torch.tensor(self.slots_of(req, 0, n), dtype=torch.int64)
+        payload["slots"] = slots
+        self._run_hooks("reload", payload)
+        for pair, saved in zip(self.kv, payload["kv"]):
+            for view, rows in zip(pair, saved):
+                if rows is not None:
+                    view[slots] = rows
+        if self.canary is not None:
+            self.canary.import_stamps(slots, payload["stamps"])  # type: ignore[attr-defined]
+        req.computed = n
+        self.reloads += 1
+        return True
 
     def _free(self, req: Request) -> None:
         for b in req.blocks:
@@ -135,6 +177,13 @@ class ScriptedEngine:
         bs = self.spec.block_size
         while self.waiting and len(self.running) < self.spec.max_running:
             req = self.waiting.pop(0)
+            if req.offloaded is not None:
+                self.running.append(req)
+                if not self._reload(req):
+                    self.running.remove(req)
+                    self.waiting.insert(0, req)
+                    break
+                continue
             shareable = (len(req.tokens) - 1) // bs  # always compute at least the last token
             for i in range(shareable):
                 b = self.pool.lookup(self.prefix_hash(req, i + 1))
@@ -144,13 +193,13 @@ class ScriptedEngine:
             req.computed = len(req.blocks) * bs
             self.running.append(req)
 
-    def _reserve(self, req: Request, upto: int) -> bool:
+    def _reserve(self, req: Request, upto: int, preempt: bool = True) -> bool:
         """Own blocks for positions ``< upto``, preempting the newest other request if needed."""
         bs = self.spec.block_size
         while len(req.blocks) * bs < upto:
             b = self.pool.allocate()
             if b is None:
-                victims = [r for r in self.running if r is not req]
+                victims = [r for r in self.running if r is not req] if preempt else []
                 if not victims:
                     return False
                 self.preempt(victims[-1])
@@ -185,9 +234,9 @@ class ScriptedEngine:
         self.steps += 1
         return step
 
-    def _run_hooks(self, point: str, step: Step) -> None:
+    def _run_hooks(self, point: str, arg: Any) -> None:
         for fn in self.hooks.get(point, []):
-            fn(self, step)
+            fn(self, arg)
 
     def _finish_step(self, plan: list[tuple[Request, int]]) -> None:
         bs = self.spec.block_size

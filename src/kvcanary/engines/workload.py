@@ -39,7 +39,7 @@ def run(engine: ScriptedEngine, wl: Workload, max_steps: int = 100_000, on_step=
         rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(*wl.tail_len))]
         for _ in range(wl.requests)
     ]
-    steps = 0
+    steps = idle = 0
     while steps < max_steps:
         for _ in range(wl.arrivals_per_step):
             if pending:
@@ -54,4 +54,7 @@ def run(engine: ScriptedEngine, wl: Workload, max_steps: int = 100_000, on_step=
             on_step(engine)
         if did is None and not pending and not engine.waiting and not engine.running:
             break
+        idle = idle + 1 if did is None else 0
+        if idle > 1000:
+            raise RuntimeError(f"scripted engine stalled: {len(engine.waiting)} waiting, {len(engine.running)} running")
     return steps

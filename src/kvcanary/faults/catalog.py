@@ -1,0 +1,87 @@
+"""The fault classes kvcanary is tested against, with the real bugs each reproduces.
+
+Zoo references (``Z..``) point at the catalogue of real KV-corruption bugs in the project's
+landscape notes; each names the engine issue or pull request that shipped or fixed the bug.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvcanary.violations import Check
+
+
+class Outcome(enum.Enum):
+    DETECT = "detect"
+    MISS = "documented miss"
+
+
+class Point(enum.Enum):
+    """Where an injector acts."""
+
+    BEFORE_FORWARD = "before_forward"  # after the step is built, before the canary verifies it
+    AFTER_FORWARD = "after_forward"  # after the forward wrote KV, before the canary stamps it
+    COLD = "cold"  # between steps, on cached slots no request is reading
+    TABLE = "table"  # in a request's slot or block table
+    ALLOCATOR = "allocator"  # in the allocator or the prefix cache
+    TRANSFER = "transfer"  # in a tier transfer (offload and reload)
+
+
+@dataclass(frozen=True)
+class FaultClass:
+    """One class of corruption: what it is, where it is injected, what should catch it."""
+
+    name: str
+    point: Point
+    outcome: Outcome
+    checks: Check  # any of these bits firing counts as the expected detection
+    max_forwards: int  # forwards after injection within which it must be detected
+    zoo: tuple[str, ...]
+    summary: str
+    why_missed: str = ""
+
+
+_META = Check.POSITION | Check.LINK | Check.TOKEN | Check.EMPTY
+CATALOG: tuple[FaultClass, ...] = (
+    FaultClass("bit_flip", Point.COLD, Outcome.DETECT, Check.CONTENT, 2, ("Z16", "Z37", "Z05"),
+               "one bit of a cached slot's K or V flips (any layer, any offset)"),
+    FaultClass("multi_bit_flip", Point.COLD, Outcome.DETECT, Check.CONTENT, 2, ("Z16", "Z37"),
+               "several bits of one cached slot flip"),
+    FaultClass("byte_smash", Point.COLD, Outcome.DETECT, Check.CONTENT, 2, ("Z16", "Z05"),
+               "a whole byte of a cached slot is overwritten (XOR 0xFF)"),
+    FaultClass("burst_16b", Point.COLD, Outcome.DETECT, Check.CONTENT, 2, ("Z16", "Z37"),
+               "a 16-byte-aligned burst of a cached slot is zeroed"),
+    FaultClass("late_write_after_free", Point.AFTER_FORWARD, Outcome.DETECT, Check.CONTENT | _META, 2,
+               ("Z01", "Z13"),
+               "an aborted request's in-flight write lands in a slot already handed to another request"),
+    FaultClass("slot_reused_while_referenced", Point.ALLOCATOR, Outcome.DETECT, _META, 3, ("Z02", "Z10", "Z27"),
+               "a block still read by a request is freed and given to another request"),
+    FaultClass("table_redirect", Point.TABLE, Outcome.DETECT, _META, 1, ("Z07", "Z23"),
+               "a table entry points at another request's slot"),
+    FaultClass("table_shift", Point.TABLE, Outcome.DETECT, _META, 1, ("Z14",),
+               "a request's table is shifted by one slot from a block boundary on"),
+    FaultClass("wrong_position", Point.AFTER_FORWARD, Outcome.DETECT, Check.WRITE_POSITION | Check.POSITION, 1,
+               ("Z14",), "engine and kernel disagree on the cached length: a token is written at the wrong position"),
+    FaultClass("wrong_input_token", Point.BEFORE_FORWARD, Outcome.DETECT, Check.WRITE_INPUT_TOKEN | Check.TOKEN, 2,
+               ("Z39",), "the token fed to the model differs from the request's real token"),
+    FaultClass("transfer_lands_nothing", Point.TRANSFER, Outcome.DETECT, Check.CONTENT, 1, ("Z12",),
+               "a reload reports success but never writes the destination slots"),
+    FaultClass("torn_offload", Point.TRANSFER, Outcome.DETECT, Check.CONTENT, 1, ("Z17", "Z34", "Z04"),
+               "a block is restored from a half-finished copy"),
+    FaultClass("prefix_cache_recycled_block", Point.ALLOCATOR, Outcome.DETECT, _META, 3, ("Z03", "Z35", "Z02"),
+               "a prefix-cache entry points at a block that was recycled for other tokens"),
+    FaultClass("padding_write_into_real_slot", Point.AFTER_FORWARD, Outcome.DETECT, Check.CONTENT, 2, ("Z19",),
+               "a padding token's write lands in a real, cached slot"),
+    FaultClass("quant_scale_mixup", Point.AFTER_FORWARD, Outcome.MISS, Check(0), 0, ("Z11", "Z20"),
+               "writer and reader use different quantization scales",
+               "the bytes written are self-consistent; a per-slot fingerprint of them cannot know the scale was wrong"),
+    FaultClass("layout_disagreement", Point.AFTER_FORWARD, Outcome.MISS, Check(0), 0, ("Z28",),
+               "the writer stores a flat layout, the reader addresses it tiled",
+               "the stamped bytes never change; the disagreement is inside the attention kernel's addressing"),
+    FaultClass("attention_read_bug", Point.BEFORE_FORWARD, Outcome.MISS, Check(0), 0, ("Z29", "Z23"),
+               "the attention kernel reads the wrong slot although the table is right",
+               "the canary verifies what the table says will be read; the kernel's own address arithmetic is unobserved"),
+)
+
+BY_NAME = {f.name: f for f in CATALOG}
