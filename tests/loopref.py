@@ -93,9 +93,11 @@ def stamp(stamps: torch.Tensor, layout: KvLayout, step: Step) -> dict:
             prev = int(stamps[ps, LINK]) if 0 <= ps < stamps.shape[0] else 0
         for j, i in enumerate(range(offs[r], offs[r + 1])):
             s = int(step.new_slots[i])
+            tok, pos = int(step.new_tokens[i]), int(step.new_positions[i])
+            link = h.py_link(prev, tok, pos)
+            prev = link
             if s < 0 or not valid:
                 continue
-            tok, pos = int(step.new_tokens[i]), int(step.new_positions[i])
             c = 0
             if pos != cached + j:
                 c |= Check.WRITE_POSITION
@@ -105,8 +107,6 @@ def stamp(stamps: torch.Tensor, layout: KvLayout, step: Step) -> dict:
                 c |= Check.WRITE_INPUT_TOKEN
             if step.expected_new_positions is not None and int(step.expected_new_positions[i]) != pos:
                 c |= Check.WRITE_INPUT_POSITION
-            link = h.py_link(prev, tok, pos)
-            prev = link
             cont = h.py_content(slot_bytes(layout, s)) if layout.sources else 0
             stamps[s, TOKEN], stamps[s, POSITION] = tok, pos
             stamps[s, LINK], stamps[s, CONTENT] = h.signed(link), h.signed(cont)

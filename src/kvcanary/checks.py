@@ -137,8 +137,8 @@ def stamp(
 
     The links of all new tokens come from one parallel scan; each row's chain starts from the
     stamp of the slot at ``cached_len - 1`` (or the seed at a sequence head). Padding tokens
-    (slot < 0) and the tokens of padding rows are not stamped. Two tokens of one step written to
-    one slot is an engine bug whose stamp is unspecified (one of the two wins).
+    (slot < 0) advance their row's chain but are not stamped; padding rows stamp nothing. Two
+    tokens of one step written to one slot is an engine bug whose stamp is unspecified.
 
     Parameters
     ----------
@@ -159,8 +159,10 @@ def stamp(
     seed = torch.where(cached > 0, stamps[torch.where(pslot_ok, pslot, 0), LINK], _SEED)[row]
     head = j == 0
     g = hashing.g_term(tok, pos)
-    a = torch.where(writes, torch.where(head, 0, _B), torch.where(head, 0, 1))
-    b = torch.where(writes, g + torch.where(head, seed * _B, 0), torch.where(head, seed, 0))
+    # every token of a row advances its chain, padding ones too (a window engine sends the oldest
+    # tokens of a long prefill to a trash slot, but they are still part of the prefix)
+    a = torch.where(head, 0, _B)
+    b = g + torch.where(head, seed * _B, 0)
     link = hashing.affine_scan(a, b)
 
     checks = torch.zeros_like(pos)
