@@ -170,6 +170,6 @@ def test_cpu_path_never_imports_triton():
         "import sys; sys.modules['triton'] = None\n"
         "import kvcanary\n"
         "from kvcanary.cli import main\n"
-        "assert main(['demo', '--requests', '4', '--json']) == 0\n"
+        "assert main(['demo', '--engine', 'scripted', '--requests', '4', '--json']) == 0\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

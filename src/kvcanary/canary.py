@@ -80,7 +80,7 @@ class Canary:
         self.num_slots = num_slots
         self.layout = layout if self.config.content == "all" else KvLayout()
         per_slot = self.layout.content_bytes_per_slot
-        budget = self.config.content_budget_bytes
+        budget = self.config.budget_for(self.device.type)
         if budget is not None and 0 < budget < per_slot:
             raise ConfigError(
                 f"content_budget_bytes: {budget} is less than one slot's {per_slot} content bytes; "

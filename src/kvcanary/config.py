@@ -14,6 +14,7 @@ from kvcanary.errors import ConfigError
 Mode = Literal["off", "log", "raise"]
 Content = Literal["none", "all"]
 MODES = ("off", "log", "raise")
+AUTO_BUDGET = {"cpu": 1 << 20, "cuda": 256 << 20}
 CONTENTS = ("none", "all")
 
 
@@ -25,8 +26,9 @@ class CanaryConfig:
     ----------
     mode : ``off`` (engine untouched), ``log`` (report, never raise), ``raise`` (``poll`` raises)
     content : ``all`` fingerprints every byte of every layout source; ``none`` checks metadata only
-    content_budget_bytes : KV bytes re-fingerprinted per verify (``None``: every read slot); the
-        window rotates across steps and what it leaves out is counted
+    content_budget_bytes : KV bytes re-fingerprinted per verify: ``"auto"`` (1 MiB on a CPU, 256 MiB on
+        a GPU), a number, or ``None`` for every read slot; the window rotates across steps and what it
+        leaves out is counted
     ring_capacity : violation rows held on the device between two polls
     validate : check step values (ranges) on the host before each op; off under graph capture
     scrub_slots : slots the patrol scrub re-fingerprints per ``scrub()`` call
@@ -35,7 +37,7 @@ class CanaryConfig:
 
     mode: Mode = "log"
     content: Content = "all"
-    content_budget_bytes: int | None = 32 << 20
+    content_budget_bytes: int | None | Literal["auto"] = "auto"
     ring_capacity: int = 4096
     validate: bool = True
     scrub_slots: int = 4096
@@ -46,11 +48,18 @@ class CanaryConfig:
             raise ConfigError(f"mode: expected one of {MODES}, got {self.mode!r}")
         if self.content not in CONTENTS:
             raise ConfigError(f"content: expected one of {CONTENTS}, got {self.content!r}")
-        if self.content_budget_bytes is not None and self.content_budget_bytes < 0:
-            raise ConfigError(f"content_budget_bytes: expected >= 0 or None, got {self.content_budget_bytes}")
+        b = self.content_budget_bytes
+        if not (b is None or b == "auto" or (isinstance(b, int) and b >= 0)):
+            raise ConfigError(f"content_budget_bytes: expected an integer >= 0, 'auto' or None, got {b!r}")
         for name in ("ring_capacity", "scrub_slots", "history"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
+
+    def budget_for(self, device_type: str) -> int | None:
+        """The per-verify content budget in bytes on a device of this type (``None``: unlimited)."""
+        if self.content_budget_bytes == "auto":
+            return AUTO_BUDGET.get(device_type, AUTO_BUDGET["cpu"])
+        return self.content_budget_bytes
 
     @classmethod
     def from_env(cls, base: "CanaryConfig | None" = None, environ: dict[str, str] | None = None) -> "CanaryConfig":
@@ -67,13 +76,15 @@ class CanaryConfig:
         return replace(base, **changes)
 
 
-def _optional_int(s: str) -> int | None:
+def _budget(s: str) -> int | None | str:
     if s.strip().lower() in ("", "none", "unlimited"):
         return None
+    if s.strip().lower() == "auto":
+        return "auto"
     try:
         return int(s)
     except ValueError:
-        raise ValueError(f"expected an integer or 'none', got {s!r}") from None
+        raise ValueError(f"expected an integer, 'auto' or 'none', got {s!r}") from None
 
 
 def _int(s: str) -> int:
@@ -95,7 +106,7 @@ def _bool(s: str) -> bool:
 ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_MODE": ("mode", str),
     "KVCANARY_CONTENT": ("content", str),
-    "KVCANARY_CONTENT_BUDGET_BYTES": ("content_budget_bytes", _optional_int),
+    "KVCANARY_CONTENT_BUDGET_BYTES": ("content_budget_bytes", _budget),
     "KVCANARY_RING_CAPACITY": ("ring_capacity", _int),
     "KVCANARY_VALIDATE": ("validate", _bool),
     "KVCANARY_SCRUB_SLOTS": ("scrub_slots", _int),

@@ -1,0 +1,382 @@
+"""Protect HuggingFace transformers continuous batching (``generate_batch``, the CB manager).
+
+One call::
+
+    with kvcanary.engines.transformers.protect(model) as guard:
+        out = model.generate_batch(prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+    print(guard.stats(), guard.violations)
+
+Every forward of the model's continuous-batching runner is bracketed: before it, every cached
+slot each request's attention will read (taken from the forward's own ``read_index``) is
+verified; after it, the slots written (``write_index``) are stamped with content fingerprints of
+every layer's K and V. One canary per layer group (full attention, sliding window), each over that
+group's own slot space. CPU offloading is followed too: stamps travel with offloaded blocks and the
+restored bytes are verified against them on the way back.
+
+transformers is imported inside functions only; ``import kvcanary`` never needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from kvcanary.canary import Canary
+from kvcanary.config import CanaryConfig
+from kvcanary.errors import UnsupportedError
+from kvcanary.layout import ByteSource, KvLayout
+from kvcanary.step import Step
+from kvcanary.violations import Violation
+
+SUPPORTED = ((5, 24), (5, 25))  # [low, high) of (major, minor), the range the tests run on
+SUPPORTED_TEXT = ">=5.24,<5.25"
+
+
+def check_version(version: str) -> None:
+    """Raise :class:`UnsupportedError` unless ``version`` is in the tested range."""
+    try:
+        key = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        key = (-1, -1)
+    if not SUPPORTED[0] <= key < SUPPORTED[1]:
+        raise UnsupportedError(
+            f"transformers {version} is not supported by kvcanary's continuous-batching integration; "
+            f"expected transformers{SUPPORTED_TEXT} (pip install 'kvcanary[transformers]')"
+        )
+
+
+def group_layout(allocator: Any) -> tuple[KvLayout, int]:
+    """The layout of one CB layer group's K and V bytes, and its number of compact slots.
+
+    A group's cache is token rows ``[Hkv, D]``; block ``b`` holds, per layer ``i`` of the group, a
+    K page then a V page of ``tokens_per_page`` rows. The canary numbers slots compactly:
+    ``slot = block * tokens_per_page + offset``.
+    """
+    t = allocator.cache_tensor  # [total_tokens, 2, Hkv, D] in the cache dtype
+    es = t.element_size()
+    row = t.shape[2] * t.shape[3] * es
+    tpp, stride = allocator.tokens_per_page, allocator.block_physical_stride
+    num_pages = (t.shape[0] * 2) // stride
+    base = t.storage_offset() * es
+    sources = []
+    for i, layer in enumerate(allocator.layer_indices):
+        for h, half in enumerate("kv"):
+            sources.append(ByteSource(
+                name=f"layer{layer}.{half}", tensor=t, page_size=tpp, num_pages=num_pages,
+                page_stride=stride * row, token_stride=row, rows=1, row_stride=row, row_bytes=row,
+                offset=base + (2 * i + h) * tpp * row,
+            ))
+    return KvLayout(tuple(sources)), num_pages * tpp
+
+
+class _Group:
+    """One layer group's canary and slot numbering."""
+
+    def __init__(self, name: str, index: int, allocator: Any, config: CanaryConfig) -> None:
+        self.name, self.index, self.allocator = name, index, allocator
+        layout, num_slots = group_layout(allocator)
+        self.canary = Canary(num_slots, layout, config)
+        self.tpp, self.stride = allocator.tokens_per_page, allocator.block_physical_stride
+        self.trash = allocator.write_trash_index
+
+    def compact(self, physical: torch.Tensor) -> torch.Tensor:
+        physical = physical.long()
+        return torch.div(physical, self.stride, rounding_mode="floor") * self.tpp + physical % self.stride
+
+    def block_slots(self, blocks: list[int]) -> torch.Tensor:
+        b = torch.tensor(blocks, dtype=torch.int64)
+        return (b[:, None] * self.tpp + torch.arange(self.tpp)).reshape(-1)
+
+
+class Protection:
+    """The canaries of one protected model; a context manager that installs and removes the hooks.
+
+    Parameters
+    ----------
+    model : a transformers model that runs continuous batching
+    config : canary configuration (default ``CanaryConfig(mode="log")``)
+    check_tokens : verify each read slot's token against the request's real token stream
+    on_violation : called with every batch of drained violations
+    """
+
+    def __init__(self, model: Any, config: CanaryConfig | None = None, check_tokens: bool = True,
+                 on_violation: Callable[[list[Violation]], None] | None = None) -> None:
+        import transformers
+
+        check_version(transformers.__version__)
+        self.model = model
+        self.config = config or CanaryConfig(mode="log")
+        self.check_tokens = check_tokens
+        self.on_violation = on_violation
+        self.groups: dict[str, _Group] = {}
+        self.cache: Any = None
+        self.violations: list[Violation] = []
+        self.forwards = 0
+        self.internal_errors = 0
+        self._tokens: dict[str, torch.Tensor] = {}
+        self._offloaded: dict[str, dict[str, torch.Tensor]] = {}
+        self.rows: dict[int, list[str]] = {}  # forward -> request id of each step row
+        self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
+
+    # ---- install / remove -------------------------------------------------------------------
+
+    def __enter__(self) -> "Protection":
+        if self.config.mode != "off":
+            _install()
+            _ACTIVE[id(self.model)] = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.pop(id(self.model), None)
+        if self.cache is not None:
+            _BY_CACHE.pop(id(self.cache), None)
+        if not _ACTIVE:
+            _uninstall()
+
+    # ---- reporting ----------------------------------------------------------------------------
+
+    def poll(self) -> list[Violation]:
+        found: list[Violation] = []
+        for g in self.groups.values():
+            found += g.canary.poll()
+        if found:
+            self.violations += found
+            if self.on_violation is not None:
+                self.on_violation(found)
+        return found
+
+    def request_of(self, v: Violation) -> str | None:
+        """The request id behind a verify or write violation's step row, while it is remembered."""
+        rids = self.rows.get(v.step, [])
+        return rids[v.row] if 0 <= v.row < len(rids) else None
+
+    def describe(self, v: Violation) -> str:
+        rid = self.request_of(v)
+        group = next((n for n, g in self.groups.items() if v in g.canary.history), "?")
+        return f"{v.describe()} [request {rid}, group {group}]"
+
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = {"forwards": self.forwards}
+        for g in self.groups.values():
+            for k, v in g.canary.stats().items():
+                out[k] = out.get(k, 0) + v
+        out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
+        return out
+
+    # ---- hooks ------------------------------------------------------------------------------------
+
+    def _ensure_groups(self, cache: Any) -> None:
+        if self.cache is cache:
+            return
+        self.cache = cache
+        _BY_CACHE[id(cache)] = self
+        self.groups = {name: _Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
+
+    def _token_stream(self, state: Any, upto: int) -> torch.Tensor:
+        """The request's real tokens ``[0, upto)``, kept incrementally per request."""
+        buf = self._tokens.get(state.request_id)
+        have = 0 if buf is None else buf.shape[0]
+        if have < upto:
+            full = state.initial_tokens + state.generated_tokens
+            extra = torch.tensor(full[have:upto], dtype=torch.int64)
+            buf = extra if buf is None else torch.cat([buf, extra])
+            self._tokens[state.request_id] = buf
+        assert buf is not None
+        return buf[:upto]
+
+    def build_steps(self, runner: Any, batch: dict) -> dict[str, Step]:
+        """One Step per layer group from a forward's own metadata (no Python loop over tokens)."""
+        reqs = [fs for fs in runner.inputs_and_outputs.requests_in_batch]
+        r = len(reqs)
+        cu_q = batch["cu_seq_lens_q"][: r + 1].long()
+        q = cu_q[1:] - cu_q[:-1]
+        total = int(cu_q[-1])
+        past = torch.tensor([fs.state.position_offset - fs.query_length for fs in reqs], dtype=torch.int64)
+        width = max(1, int((past + q).max())) if r else 1
+        tokens = batch["input_ids"][0, :total]
+        positions = batch["position_ids"][0, :total]
+        wrow = torch.repeat_interleave(torch.arange(r), q)
+        wpos = past[wrow] + torch.arange(total) - cu_q[wrow]
+        exp_tok = exp_new = None
+        if self.check_tokens and r:
+            streams = [self._token_stream(fs.state, int(p + n)) for fs, p, n in zip(reqs, past, q)]
+            exp_tok = torch.nn.utils.rnn.pad_sequence(streams, batch_first=True, padding_value=-1)
+            exp_tok = torch.nn.functional.pad(exp_tok, (0, width - exp_tok.shape[1]), value=-1)
+            exp_new = exp_tok[wrow, wpos]
+        steps = {}
+        for name, g in self.groups.items():
+            cu_k = batch["cu_seq_lens_k"][name][: r + 1].long() if isinstance(batch["cu_seq_lens_k"], dict) \
+                else batch["cu_seq_lens_k"][: r + 1].long()
+            seqlen_k = cu_k[1:] - cu_k[:-1]
+            read = batch["read_index"][g.index]
+            ncached = (seqlen_k - q) if read.numel() else torch.zeros_like(q)
+            table = torch.full((r, width), -1, dtype=torch.int64)
+            if read.numel():
+                rrow = torch.repeat_interleave(torch.arange(r), seqlen_k)
+                j = torch.arange(int(cu_k[-1])) - cu_k[rrow]
+                cached = j < ncached[rrow]
+                pos = past[rrow] - ncached[rrow] + j
+                table[rrow[cached], pos[cached]] = g.compact(read[: int(cu_k[-1])][cached])
+            write = batch["write_index"][g.index][:total].long()
+            wslot = torch.where(write == g.trash, -1, g.compact(write))
+            table[wrow, wpos] = wslot
+            steps[name] = Step(
+                slot_table=table, cached_lens=past, read_starts=past - ncached, new_offsets=cu_q,
+                new_tokens=tokens, new_positions=positions, new_slots=wslot,
+                expected_tokens=exp_tok, expected_new_tokens=exp_new,
+            )
+        return steps
+
+    def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
+        try:
+            if any(fs.state.request_id.startswith("__warmup") for fs in runner.inputs_and_outputs.requests_in_batch):
+                return None
+            self._ensure_groups(runner.cache)
+            for hook in self.hooks:
+                hook(self, runner, batch)
+            steps = self.build_steps(runner, batch)
+            self.rows[self.forwards] = [fs.state.request_id for fs in runner.inputs_and_outputs.requests_in_batch]
+            self.rows.pop(self.forwards - self.config.history, None)
+        except Exception:
+            return self._internal("building steps")
+        for name, step in steps.items():
+            self.groups[name].canary.before_forward(step)
+        return steps
+
+    def after(self, steps: dict[str, Step] | None) -> None:
+        if steps is None:
+            return
+        for name, step in steps.items():
+            self.groups[name].canary.after_forward(step)
+        self.forwards += 1
+        self.poll()
+
+    def offloaded(self, cache: Any, rids: set[str], tables: dict[str, dict[str, list[int]]]) -> None:
+        """Blocks of ``rids`` were copied to the CPU tier: keep their stamps beside them."""
+        self._ensure_groups(cache)
+        for rid in rids:
+            self._offloaded[rid] = {
+                name: self.groups[name].canary.export_stamps(self.groups[name].block_slots(blocks))
+                for name, blocks in tables[rid].items() if blocks
+            }
+
+    def restored(self, cache: Any, rids: list[str]) -> None:
+        """Blocks of ``rids`` came back from the CPU tier: install their stamps and verify the bytes."""
+        for rid in rids:
+            saved = self._offloaded.pop(rid, None)
+            if saved is None:
+                continue
+            for name, stamps in saved.items():
+                g = self.groups[name]
+                blocks = g.allocator.block_table.get(rid, [])
+                n = min(len(blocks), stamps.shape[0] // g.tpp)
+                g.canary.import_stamps(g.block_slots(blocks[:n]), stamps[: n * g.tpp])
+        self.poll()
+
+    def _internal(self, what: str) -> None:
+        if self.config.mode == "raise":
+            raise
+        self.internal_errors += 1
+        import logging
+
+        logging.getLogger("kvcanary").exception("kvcanary internal error while %s (counted, not raised)", what)
+        return None
+
+
+def protect(model: Any, config: CanaryConfig | None = None, **kw: Any) -> Protection:
+    """Protect ``model``'s continuous batching; use the result as a context manager."""
+    return Protection(model, config, **kw)
+
+
+# ---- class-level patches (the CB processor is built inside its worker thread) ---------------
+
+_ACTIVE: dict[int, Protection] = {}
+_BY_CACHE: dict[int, Protection] = {}
+_ORIGINAL: dict[str, Callable[..., Any]] = {}
+
+
+def _install() -> None:
+    if _ORIGINAL:
+        return
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
+
+    _ORIGINAL["compute_batch"] = ModelRunner.compute_batch
+    _ORIGINAL["offload"] = OffloadingManager._offload_to_cpu
+    _ORIGINAL["restore"] = OffloadingManager.restore_scheduled_requests
+
+    def compute_batch(self: Any, model: Any, batch_data: dict) -> None:
+        prot = _ACTIVE.get(id(model))
+        steps = prot.before(self, batch_data) if prot is not None else None
+        _ORIGINAL["compute_batch"](self, model, batch_data)
+        if prot is not None:
+            prot.after(steps)
+
+    def offload(self: Any, victims: list, victim_block_tables: dict) -> set:
+        rids = _ORIGINAL["offload"](self, victims, victim_block_tables)
+        prot = _BY_CACHE.get(id(self.cache))
+        if prot is not None and rids:
+            prot.offloaded(self.cache, rids, victim_block_tables)
+        return rids  # type: ignore[no-any-return]
+
+    def restore(self: Any, requests_in_batch: list) -> None:
+        rids = [fs.state.request_id for fs in requests_in_batch if fs.state.is_cpu_offloaded]
+        _ORIGINAL["restore"](self, requests_in_batch)
+        prot = _BY_CACHE.get(id(self.cache))
+        if prot is not None and rids:
+            prot.restored(self.cache, rids)
+
+    ModelRunner.compute_batch = compute_batch
+    OffloadingManager._offload_to_cpu = offload
+    OffloadingManager.restore_scheduled_requests = restore
+
+
+def _uninstall() -> None:
+    if not _ORIGINAL:
+        return
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
+
+    ModelRunner.compute_batch = _ORIGINAL.pop("compute_batch")
+    OffloadingManager._offload_to_cpu = _ORIGINAL.pop("offload")
+    OffloadingManager.restore_scheduled_requests = _ORIGINAL.pop("restore")
+
+
+# ---- a model without downloads ---------------------------------------------------------------
+
+
+def tiny_model(seed: int = 0, layers: int = 4, kv_heads: int = 4, sliding_window: int | None = None,
+               path: str | None = None) -> Any:
+    """A small Llama-architecture causal LM with random weights from a fixed seed (nothing is fetched).
+
+    ``sliding_window`` gives a Mistral-style model whose layers all attend to a window (one sliding
+    layer group); ``path`` loads a local checkpoint instead.
+    """
+    import transformers
+
+    if path is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                                 attn_implementation="sdpa").eval()
+    common = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    if sliding_window is None:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=sliding_window, **common))
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def cb_configs(max_new_tokens: int = 12, page_size: int = 8, num_blocks: int = 64, max_batch_tokens: int = 128,
+               **cb: Any) -> tuple[Any, Any]:
+    """Greedy generation and a small, CPU-friendly continuous-batching configuration."""
+    import transformers
+
+    gen = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
+    kw: dict[str, Any] = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                              max_requests_per_batch=16, seed=0, use_cuda_graph=False, use_async_batching=False,
+                              auto_switch_to_flash=False)
+    kw.update(cb)
+    return gen, transformers.ContinuousBatchingConfig(**kw)

@@ -1,0 +1,101 @@
+"""Faults injected into a running transformers continuous-batching engine.
+
+Each injector is a hook of :class:`kvcanary.engines.transformers.Protection`: it runs before the
+checks of every forward, fires once (at forward ``at`` or the first later forward where its target
+exists) and records what it corrupted in ``detail``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CbFault:
+    name: str
+    at: int = 3
+    seed: int = 0
+    injected_at: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, prot: Any, runner: Any, batch: dict) -> None:
+        if self.injected_at is None and prot.forwards >= self.at:
+            rng = random.Random(self.seed)
+            if INJECTORS[self.name](prot, runner, batch, rng, self.detail):
+                self.injected_at = prot.forwards
+
+
+def _full_group(prot: Any) -> Any:
+    return prot.groups.get("full_attention") or next(iter(prot.groups.values()))
+
+
+def _shared_blocks(group: Any) -> list[int]:
+    tables = group.allocator.block_table
+    seen: dict[int, int] = {}
+    for blocks in tables.values():
+        for b in set(blocks):
+            seen[b] = seen.get(b, 0) + 1
+    return sorted(b for b, n in seen.items() if n >= 2)
+
+
+def flip_shared_byte(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """Flip one bit of a K or V byte in a prefix block shared by several requests."""
+    g = _full_group(prot)
+    shared = _shared_blocks(g)
+    if not shared:
+        return False
+    block = rng.choice(shared)
+    slot = block * g.tpp + rng.randrange(g.tpp)
+    src = rng.choice(g.canary.layout.sources)
+    off = rng.randrange(src.row_bytes)
+    src.slot_bytes(slot)[0, off] ^= 1 << rng.randrange(8)
+    detail.update(block=block, slot=slot, source=src.name, byte=off)
+    return True
+
+
+def redirect_table_entry(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """Point one fully cached block of a request's table at another request's block."""
+    g = _full_group(prot)
+    reqs = runner.inputs_and_outputs.requests_in_batch
+    tables = g.allocator.block_table
+    cu_k = batch["cu_seq_lens_k"][g.name] if isinstance(batch["cu_seq_lens_k"], dict) else batch["cu_seq_lens_k"]
+    read = batch["read_index"][g.index]
+    for i, fs in enumerate(reqs):
+        past = fs.state.position_offset - fs.query_length
+        mine = tables.get(fs.state.request_id, [])
+        if past < g.tpp or not read.numel():
+            continue
+        others = sorted({b for rid, bl in tables.items() if rid != fs.state.request_id for b in bl} - set(mine))
+        if not others:
+            continue
+        bi = rng.randrange(past // g.tpp)
+        foreign = rng.choice(others)
+        start = int(cu_k[i]) + bi * g.tpp
+        read[start : start + g.tpp] = foreign * g.stride + torch.arange(g.tpp)
+        detail.update(request=fs.state.request_id, block_index=bi, was=mine[bi], now=foreign)
+        return True
+    return False
+
+
+def free_shared_block(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """Return a block still shared by several requests to the free pool, so it is handed out again."""
+    g = _full_group(prot)
+    shared = _shared_blocks(g)
+    if not shared:
+        return False
+    block = rng.choice(shared)
+    g.allocator.pool.free_blocks(g.index, [block])
+    readers = [rid for rid, bl in g.allocator.block_table.items() if block in bl]
+    detail.update(block=block, readers=readers)
+    return True
+
+
+INJECTORS = {
+    "flip_shared_byte": flip_shared_byte,
+    "redirect_table_entry": redirect_table_entry,
+    "free_shared_block": free_shared_block,
+}

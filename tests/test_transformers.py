@@ -1,0 +1,165 @@
+"""transformers continuous batching under the canary: clean runs verify clean, outputs are
+unchanged, injected faults are detected, offloaded blocks carry their stamps."""
+
+import logging
+import random
+import types
+
+import pytest
+import torch
+import transformers
+from transformers.generation.continuous_batching import offloading_manager
+from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.continuous_batching.requests import RequestState
+
+from kvcanary import CanaryConfig, Check, Site, UnsupportedError
+from kvcanary.engines.transformers import check_version, cb_configs, protect, tiny_model
+from kvcanary.faults.transformers_cb import CbFault
+
+
+def prompts(n=12, seed=0, prefix=24):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(prefix)] for _ in range(3)]
+    return [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model(seed=0, layers=2)
+
+
+def generate(model, ps, guard_config=None, hooks=(), **cb):
+    gen, cbc = cb_configs(**cb)
+    with torch.inference_mode():
+        if guard_config is None:
+            return model.generate_batch(ps, generation_config=gen, continuous_batching_config=cbc), None
+        with protect(model, guard_config) as guard:
+            guard.hooks.extend(hooks)
+            out = model.generate_batch(ps, generation_config=gen, continuous_batching_config=cbc)
+    return out, guard
+
+
+def tokens(out):
+    return {k: v.generated_tokens for k, v in out.items()}
+
+
+def test_clean_prefix_sharing_and_identical_outputs(llama):
+    ps = prompts()
+    base, _ = generate(llama, ps)
+    out, guard = generate(llama, ps, CanaryConfig(mode="raise", content_budget_bytes=None))
+    assert tokens(out) == tokens(base)
+    st = guard.stats()
+    assert st["violations"] == 0 and st["internal_errors"] == 0
+    assert st["slots_verified"] > 0 and st["content_bytes_verified"] > 0
+    assert st["slots_stamped"] == sum(len(p) for p in ps) + sum(len(t) - 1 for t in tokens(out).values())
+
+
+def test_sliding_window_and_hybrid_groups():
+    common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(1)
+    hybrid = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        use_sliding_window=True, sliding_window=12, layer_types=["sliding_attention", "full_attention"] * 2, **common))
+    hybrid.config._attn_implementation = "sdpa"
+    for model in (tiny_model(seed=0, layers=2, sliding_window=12), hybrid.eval()):
+        ps = prompts(8, seed=3)
+        base, _ = generate(model, ps)
+        out, guard = generate(model, ps, CanaryConfig(mode="raise", content_budget_bytes=None))
+        assert tokens(out) == tokens(base)
+        assert guard.stats()["violations"] == 0 and "sliding_attention" in guard.groups
+        assert guard.stats()["links_unchecked"] > 0  # window heads: their predecessor left the window
+
+
+def test_eviction_and_soft_reset_under_memory_pressure(llama, monkeypatch):
+    resets = []
+    orig = RequestState.create_equivalent_initial_request
+    monkeypatch.setattr(RequestState, "create_equivalent_initial_request",
+                        lambda self: resets.append(1) or orig(self))
+    ps = prompts(16, seed=4)
+    base, _ = generate(llama, ps, max_new_tokens=24, num_blocks=14)
+    out, guard = generate(llama, ps, CanaryConfig(mode="raise"), max_new_tokens=24, num_blocks=14)
+    assert tokens(out) == tokens(base)
+    assert guard.stats()["violations"] == 0 and resets
+
+
+def _cpu_offload_shim(monkeypatch):
+    """CPU builds of torch cannot pin memory; let the offloading manager allocate its swap pool plainly."""
+    def empty(*a, pin_memory=False, **k):
+        return torch.empty(*a, **k)
+    monkeypatch.setattr(offloading_manager, "torch", types.SimpleNamespace(**{**vars(torch), "empty": empty}))
+
+
+def test_offloaded_blocks_carry_stamps_and_torn_restore_is_caught(llama, monkeypatch):
+    _cpu_offload_shim(monkeypatch)
+    calls = {"offload": 0, "restore": 0}
+    orig_off = offloading_manager.OffloadingManager._offload_to_cpu
+
+    def count_off(self, *a):
+        calls["offload"] += 1
+        return orig_off(self, *a)
+
+    monkeypatch.setattr(offloading_manager.OffloadingManager, "_offload_to_cpu", count_off)
+    ps = prompts(16, seed=5)
+    kw = dict(max_new_tokens=24, num_blocks=14, cpu_offload_space=0.01)
+    base, _ = generate(llama, ps, **kw)
+    out, guard = generate(llama, ps, CanaryConfig(mode="raise"), **kw)
+    assert calls["offload"] > 0 and guard.stats()["slots_scrubbed"] > 0  # restores were verified
+    assert guard.stats()["violations"] == 0
+    assert tokens(out) == tokens(base)
+
+    torn = {}
+
+    def tear(prot, runner, batch):  # flip a byte of the host copy of the first offloaded block
+        if torn or not prot._offloaded:
+            return
+        rid = next(iter(prot._offloaded))
+        for m in _managers:
+            blocks = m._request_id_to_cpu_blocks.get(rid)
+            if blocks:
+                name, ids = next(iter(blocks.items()))
+                m._cpu_views[name][ids[0], 7] ^= 0x40
+                torn["rid"] = rid
+
+    _managers = []
+    orig_init = offloading_manager.OffloadingManager.__init__
+
+    def track(self, *a, **k):
+        orig_init(self, *a, **k)
+        _managers.append(self)
+
+    monkeypatch.setattr(offloading_manager.OffloadingManager, "__init__", track)
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+    out, guard = generate(llama, ps, CanaryConfig(mode="log"), hooks=[tear], **kw)
+    assert torn
+    hits = [v for v in guard.violations if v.site == Site.TRANSFER]
+    assert hits and all(v.checks == Check.CONTENT for v in hits)
+
+
+@pytest.mark.parametrize("fault,checks", [
+    ("flip_shared_byte", Check.CONTENT),
+    ("redirect_table_entry", Check.POSITION | Check.LINK | Check.TOKEN),
+    ("free_shared_block", Check.POSITION | Check.LINK | Check.TOKEN | Check.CONTENT),
+])
+def test_injected_faults_are_detected(llama, fault, checks):
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+    f = CbFault(fault, at=3, seed=1)
+    out, guard = generate(llama, prompts(24, seed=6), CanaryConfig(mode="log", content_budget_bytes=None), hooks=[f])
+    assert f.injected_at is not None
+    hits = [v for v in guard.violations if v.step >= f.injected_at and v.checks & checks]
+    assert hits, guard.violations[:3]
+    assert guard.request_of(hits[0]) is not None
+
+
+def test_off_mode_leaves_the_engine_untouched(llama):
+    original = ModelRunner.compute_batch
+    with protect(llama, CanaryConfig(mode="off")):
+        assert ModelRunner.compute_batch is original
+    with protect(llama, CanaryConfig(mode="log")):
+        assert ModelRunner.compute_batch is not original
+    assert ModelRunner.compute_batch is original
+
+
+def test_version_check():
+    check_version(transformers.__version__)
+    with pytest.raises(UnsupportedError, match=r"transformers 4.57.1 is not supported .* expected transformers>=5.24,<5.25"):
+        check_version("4.57.1")
