@@ -305,6 +305,7 @@ class ScriptedEngine:
             read_starts=starts,
             row_valid=torch.arange(rows) < len(plan),
             expected_tokens=exp,
+            expected_new_tokens=torch.tensor(toks, dtype=torch.int64),  # the requests' own tokens
             **kw,  # type: ignore[arg-type]
         )
 

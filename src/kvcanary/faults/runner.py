@@ -1,0 +1,181 @@
+"""Run fault classes against engines and a clean soak; the results behind ``kvcanary selftest``."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from kvcanary.canary import Canary
+from kvcanary.config import CanaryConfig
+from kvcanary.engines import workload
+from kvcanary.engines.scripted import EngineSpec, ScriptedEngine
+from kvcanary.faults.catalog import CATALOG, FaultClass, Outcome, Point
+from kvcanary.faults.scripted import INJECTORS
+from kvcanary.violations import Check
+
+log = logging.getLogger("kvcanary")
+
+
+@dataclass
+class FaultResult:
+    """One fault class run once on one engine."""
+
+    fault: str
+    engine: str
+    seed: int
+    zoo: list[str]
+    expected: str
+    detected: bool
+    checks_fired: list[str]
+    forwards_to_detect: int | None
+    max_forwards: int
+    ok: bool
+    detail: dict[str, Any] = field(default_factory=dict)
+    first: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _quiet() -> Callable[[], None]:
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    return lambda: log.setLevel(level)
+
+
+class _Feeder:
+    """Keeps a scripted engine busy with long requests over a few shared prefixes."""
+
+    def __init__(self, eng: ScriptedEngine, rng: random.Random) -> None:
+        self.eng, self.rng = eng, rng
+        bs = eng.spec.block_size
+        self.prefixes = [[rng.randrange(eng.spec.vocab) for _ in range(3 * bs)] for _ in range(3)]
+
+    def top_up(self) -> None:
+        while len(self.eng.running) + len(self.eng.waiting) < self.eng.spec.max_running:
+            tail = [self.rng.randrange(self.eng.spec.vocab) for _ in range(self.rng.randint(1, 6))]
+            self.eng.add_request(self.rng.choice(self.prefixes) + tail, self.rng.randint(2, 12))
+
+
+def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = "paged") -> FaultResult:
+    """Inject ``fc`` once into a busy scripted engine and run until detection or the deadline."""
+    spec = EngineSpec(num_blocks=48, block_size=4, layout=layout, table=table,  # type: ignore[arg-type]
+                      offload=fc.point == Point.TRANSFER, max_running=6, seed=seed)
+    eng = ScriptedEngine(spec)
+    canary = Canary(eng.num_slots, eng.layout,
+                    CanaryConfig(mode="log", content_budget_bytes=None, scrub_slots=eng.num_slots))
+    eng.canary = canary
+    rng = random.Random(seed)
+    feed = _Feeder(eng, rng)
+    restore = _quiet()
+    try:
+        def step() -> list:  # type: ignore[type-arg]
+            feed.top_up()
+            eng.step()
+            canary.scrub()
+            return canary.poll()
+
+        clean = [v for _ in range(8) for v in step()]
+        if clean:
+            return _result(fc, "scripted", seed, False, [], None, {"false_positive": clean[0].describe()})
+        inj = None
+        for _ in range(30):
+            inj = INJECTORS[fc.name](eng, rng)
+            if inj is not None:
+                break
+            step()
+        if inj is None:
+            return _result(fc, "scripted", seed, False, [], None, {"error": "no target for the fault appeared"})
+        landed_at = eng.steps if inj.landed else None
+        for _ in range(fc.max_forwards + 12):
+            found = step()
+            if landed_at is None and inj.landed:
+                landed_at = eng.steps - (1 if inj.in_forward else 0)
+            hits = [v for v in found if v.checks & fc.checks] if landed_at is not None else []
+            if hits:
+                fired = sorted({c.name or "" for v in hits for c in Check if c in v.checks})
+                return _result(fc, "scripted", seed, True, fired, eng.steps - landed_at, inj.detail, hits[0].describe())
+            if landed_at is not None and eng.steps - landed_at >= fc.max_forwards + 2:
+                break
+        return _result(fc, "scripted", seed, False, [], None, inj.detail)
+    finally:
+        restore()
+
+
+def _result(fc: FaultClass, engine: str, seed: int, detected: bool, fired: list[str], forwards: int | None,
+            detail: dict[str, Any], first: str | None = None) -> FaultResult:
+    ok = detected and forwards is not None and forwards <= fc.max_forwards
+    return FaultResult(fc.name, engine, seed, list(fc.zoo), fc.outcome.value, detected, fired, forwards,
+                       fc.max_forwards, ok, detail, first)
+
+
+# transformers continuous batching: the fault classes its injectors reproduce
+CB_FAULTS = {"bit_flip": "flip_shared_byte", "table_redirect": "redirect_table_entry",
+             "slot_reused_while_referenced": "free_shared_block"}
+
+
+def run_transformers(fc: FaultClass, seed: int, model: Any = None) -> FaultResult:
+    """Inject the transformers counterpart of ``fc`` into continuous batching of a tiny model."""
+    import torch
+
+    from kvcanary.engines.transformers import cb_configs, protect, tiny_model
+    from kvcanary.faults.transformers_cb import CbFault
+
+    model = model if model is not None else tiny_model(seed=0, layers=2)
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
+    prompts = [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))] for _ in range(20)]
+    gen, cb = cb_configs(max_new_tokens=10)
+    fault = CbFault(CB_FAULTS[fc.name], at=3, seed=seed)
+    restore = _quiet()
+    try:
+        with torch.inference_mode(), protect(model, CanaryConfig(mode="log", content_budget_bytes=None)) as guard:
+            guard.hooks.append(fault)
+            model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    finally:
+        restore()
+    if fault.injected_at is None:
+        return _result(fc, "transformers", seed, False, [], None, {"error": "no target for the fault appeared"})
+    early = [v for v in guard.violations if v.step < fault.injected_at]
+    if early:
+        return _result(fc, "transformers", seed, False, [], None, {"false_positive": early[0].describe()})
+    hits = [v for v in guard.violations if v.checks & fc.checks]
+    if not hits:
+        return _result(fc, "transformers", seed, False, [], None, fault.detail)
+    fired = sorted({c.name or "" for v in hits if v.step == hits[0].step for c in Check if c in v.checks})
+    return _result(fc, "transformers", seed, True, fired, hits[0].step - fault.injected_at + 1, fault.detail,
+                   guard.describe(hits[0]))
+
+
+def soak(steps: int, seed: int = 0, progress: Callable[[int], None] | None = None) -> dict[str, int]:
+    """Randomized clean scripted-engine runs (sharing, eviction, preemption, chunked prefill, offload)
+    for ``steps`` steps in total; returns the summed canary counters (``violations`` must be 0)."""
+    total: dict[str, int] = {}
+    done, k = 0, 0
+    while done < steps:
+        rng = random.Random(seed * 1000 + k)
+        spec = EngineSpec(num_blocks=rng.choice([16, 24, 48]), block_size=rng.choice([1, 2, 4, 8]),
+                          layout=rng.choice(["flat", "paged", "packed", "head_major", "mla"]),  # type: ignore[arg-type]
+                          table=rng.choice(["block", "token"]), chunk_size=rng.choice([1, 4, 16]),  # type: ignore[arg-type]
+                          window=rng.choice([None, None, 6]), pad_rows=rng.randint(0, 2), offload=rng.random() < 0.5,
+                          num_layers=2, seed=k)
+        spec = EngineSpec(**{**asdict(spec), "num_blocks": max(spec.num_blocks, 96 // spec.block_size)})
+        eng = ScriptedEngine(spec)
+        canary = Canary(eng.num_slots, eng.layout, CanaryConfig(mode="log", scrub_slots=64))
+        eng.canary = canary
+        wl = workload.Workload(requests=40, seed=k, abort_p=0.05, preempt_p=0.1)
+        n = workload.run(eng, wl, max_steps=steps - done, on_step=lambda e: (canary.scrub(), canary.poll()))
+        for key, v in canary.stats().items():
+            total[key] = total.get(key, 0) + v
+        done += n
+        k += 1
+        if progress is not None:
+            progress(done)
+    total["soak_steps"] = done
+    return total
+
+
+def detectable() -> list[FaultClass]:
+    return [f for f in CATALOG if f.outcome == Outcome.DETECT]
