@@ -84,13 +84,14 @@ def stamp(stamps: torch.Tensor, layout: KvLayout, step: Step) -> dict:
     """Apply the step's writes to ``stamps`` serially; returns {token index: write checks}."""
     out: dict[int, int] = {}
     offs = [int(x) for x in step.new_offsets]
+    before = stamps.clone()  # every chain starts from the stamps as they were before the step
     for r in range(step.num_rows):
         valid = step.row_valid is None or bool(step.row_valid[r])
         cached = int(step.cached_lens[r])
         prev = None
         if cached > 0:
             ps = lookup(step, r, cached - 1)
-            prev = int(stamps[ps, LINK]) if 0 <= ps < stamps.shape[0] else 0
+            prev = int(before[ps, LINK]) if 0 <= ps < stamps.shape[0] else 0
         for j, i in enumerate(range(offs[r], offs[r + 1])):
             s = int(step.new_slots[i])
             tok, pos = int(step.new_tokens[i]), int(step.new_positions[i])

@@ -156,7 +156,10 @@ def stamp(
 
     pslot = step.lookup(torch.arange(step.num_rows, device=offs.device), cached - 1)
     pslot_ok = (cached > 0) & (pslot >= 0) & (pslot < num_slots)
-    seed = torch.where(cached > 0, stamps[torch.where(pslot_ok, pslot, 0), LINK], _SEED)[row]
+    # chains start from the stamps as they were before this step's writes; an unreadable
+    # predecessor (already reported by verify) seeds with 0
+    pred_link = torch.where(pslot_ok, stamps[torch.where(pslot_ok, pslot, 0), LINK], 0)
+    seed = torch.where(cached > 0, pred_link, _SEED)[row]
     head = j == 0
     g = hashing.g_term(tok, pos)
     # every token of a row advances its chain, padding ones too (a window engine sends the oldest
