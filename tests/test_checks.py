@@ -1,5 +1,6 @@
 """The torch checks equal the per-slot loop: same stamps, same violations, on clean and corrupted pools."""
 
+import os
 import random
 
 import torch
@@ -36,7 +37,7 @@ def corrupt(rng, stamps, layout, step):
             t[rng.randrange(t.shape[0]), rng.randrange(t.shape[1])] = rng.randrange(-1, t.max().item() + 2)
 
 
-@settings(max_examples=int(__import__("os").environ.get("KVC_EXAMPLES", 40)), deadline=None)
+@settings(max_examples=int(os.environ.get("KVC_EXAMPLES", 40)), deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     kind=st.sampled_from(["block", "token"]),

@@ -1,7 +1,9 @@
 """``kvcanary`` command line: a thin layer over the library.
 
-Exit codes: 0 success; 1 a violation was found where none was expected (or a fault was missed);
-2 bad usage.
+Commands: ``demo`` (the main job: continuous batching with the canary on) and ``selftest`` (every
+fault class injected, the detection matrix printed, plus a clean soak).
+Exit codes: 0 success; 1 a violation where none was expected, a fault not detected within its
+deadline, or outputs that changed under the canary; 2 bad usage or a missing optional dependency.
 """
 
 from __future__ import annotations
@@ -160,6 +162,77 @@ def _demo(args: argparse.Namespace) -> int:
     return _scripted_run(args) if args.engine == "scripted" else _transformers_run(args)
 
 
+def _selftest(args: argparse.Namespace) -> int:
+    from kvcanary.faults import runner
+    from kvcanary.faults.catalog import CATALOG, Outcome
+
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    engines = ["scripted"]
+    if not args.no_transformers:
+        try:
+            import transformers  # noqa: F401
+
+            engines.append("transformers")
+        except ImportError:
+            say("transformers is not installed: its rows are skipped (pip install 'kvcanary[transformers]')")
+    model = None
+    rows: list[dict[str, object]] = []
+    ok = True
+    for fc in CATALOG:
+        if fc.outcome == Outcome.MISS:
+            rows.append({"fault": fc.name, "zoo": list(fc.zoo), "expected": fc.outcome.value, "engine": "-",
+                         "runs": 0, "detected": 0, "checks_fired": [], "forwards_max": None, "status": "miss",
+                         "why": fc.why_missed})
+            continue
+        for eng in engines:
+            if eng == "transformers" and fc.name not in runner.CB_FAULTS:
+                continue
+            results = []
+            for seed in range(args.seeds):
+                say(f"  {fc.name} on {eng}, seed {seed} ...")
+                if eng == "scripted":
+                    results.append(runner.run_scripted(fc, seed, table=("block", "token")[seed % 2]))
+                else:
+                    if model is None:
+                        from kvcanary.engines.transformers import tiny_model
+
+                        model = tiny_model(seed=0, layers=2)
+                    results.append(runner.run_transformers(fc, seed, model))
+            good = all(r.ok for r in results)
+            ok = ok and good
+            fwd = [r.forwards_to_detect for r in results if r.forwards_to_detect is not None]
+            rows.append({
+                "fault": fc.name, "zoo": list(fc.zoo), "expected": fc.outcome.value, "engine": eng,
+                "runs": len(results), "detected": sum(r.detected for r in results),
+                "checks_fired": sorted({c for r in results for c in r.checks_fired}),
+                "forwards_max": max(fwd) if fwd else None, "deadline": fc.max_forwards,
+                "status": "ok" if good else "FAIL",
+                "failures": [r.to_dict() for r in results if not r.ok],
+            })
+    say(f"  clean soak of {args.soak} randomized steps ...")
+    soak = runner.soak(args.soak, progress=lambda n: say(f"    {n}/{args.soak} steps"))
+    false_positives = soak["violations"] + soak["internal_errors"]
+    ok = ok and false_positives == 0
+    if args.json:
+        print(json.dumps({"ok": ok, "matrix": rows, "soak": {"steps": soak["soak_steps"],
+                          "false_positives": false_positives, "slots_verified": soak["slots_verified"]}}))
+        return 0 if ok else 1
+    head = f"{'fault':<30} {'zoo':<15} {'expected':<16} {'engine':<13} {'detected':<9} {'fwd':<5} checks fired"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        det = f"{r['detected']}/{r['runs']}" if r["runs"] else "-"
+        fwd = "-" if r["forwards_max"] is None else str(r["forwards_max"])
+        fired = ",".join(r["checks_fired"]) or (str(r.get("why", "")) if r["status"] == "miss" else "")  # type: ignore[arg-type]
+        zoo = ",".join(r["zoo"])  # type: ignore[arg-type]
+        mark = "" if r["status"] in ("ok", "miss") else "   <-- FAIL"
+        print(f"{r['fault']:<30} {zoo:<15} {r['expected']:<16} {r['engine']:<13} {det:<9} {fwd:<5} {fired}{mark}")
+    print(f"\nclean soak: {soak['soak_steps']} steps, {soak['slots_verified']} slots verified, "
+          f"{false_positives} false positives")
+    print("selftest " + ("passed" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcanary", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -177,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     d.set_defaults(fn=_demo)
+    t = sub.add_parser("selftest", help="inject every fault class and print the detection matrix")
+    t.add_argument("--seeds", type=int, default=3, help="runs per fault class and engine")
+    t.add_argument("--soak", type=int, default=500, help="randomized clean steps that must report no violation")
+    t.add_argument("--no-transformers", action="store_true", help="scripted engine only")
+    t.add_argument("--json", action="store_true", help="print the matrix as one JSON object")
+    t.set_defaults(fn=_selftest)
     return p
 
 

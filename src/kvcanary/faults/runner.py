@@ -142,10 +142,11 @@ def run_transformers(fc: FaultClass, seed: int, model: Any = None) -> FaultResul
     if early:
         return _result(fc, "transformers", seed, False, [], None, {"false_positive": early[0].describe()})
     hits = [v for v in guard.violations if v.checks & fc.checks]
-    if not hits:
+    if not hits or fault.landed_at is None:
         return _result(fc, "transformers", seed, False, [], None, fault.detail)
     fired = sorted({c.name or "" for v in hits if v.step == hits[0].step for c in Check if c in v.checks})
-    return _result(fc, "transformers", seed, True, fired, hits[0].step - fault.injected_at + 1, fault.detail,
+    # a corruption present when forward k's checks run is found by forward k: 1 forward
+    return _result(fc, "transformers", seed, True, fired, hits[0].step - fault.landed_at + 1, fault.detail,
                    guard.describe(hits[0]))
 
 

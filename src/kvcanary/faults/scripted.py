@@ -126,9 +126,11 @@ def late_write_after_free(eng: ScriptedEngine, rng: random.Random) -> Injection 
 
 def slot_reused_while_referenced(eng: ScriptedEngine, rng: random.Random) -> Injection | None:
     """Give a block a request still reads back to the allocator (double ownership)."""
-    req = _live(eng, rng, min_cached=eng.spec.block_size)
-    if req is None:
+    cands = [r for r in eng.running if r.computed >= eng.spec.block_size and r.offloaded is None
+             and r.max_new - r.generated >= 3]  # the victim keeps reading for a few more steps
+    if not cands:
         return None
+    req = rng.choice(cands)
     block = req.blocks[rng.randrange(req.computed // eng.spec.block_size)]
     eng.pool.free.appendleft(block)
     eng.add_request([rng.randrange(eng.spec.vocab) for _ in range(3 * eng.spec.block_size)], 4)

@@ -20,6 +20,7 @@ class CbFault:
     at: int = 3
     seed: int = 0
     injected_at: int | None = None
+    landed_at: int | None = None  # the forward from which the corruption exists
     detail: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, prot: Any, runner: Any, batch: dict) -> None:
@@ -27,6 +28,13 @@ class CbFault:
             rng = random.Random(self.seed)
             if INJECTORS[self.name](prot, runner, batch, rng, self.detail):
                 self.injected_at = prot.forwards
+                if "watch_block" not in self.detail:
+                    self.landed_at = self.injected_at
+        if self.landed_at is None and self.injected_at is not None:
+            g = _full_group(prot)
+            written = g.compact(batch["write_index"][g.index]) // g.tpp
+            if bool((written == self.detail["watch_block"]).any()):  # the block's new owner writes it now
+                self.landed_at = prot.forwards
 
 
 def _full_group(prot: Any) -> Any:
@@ -90,7 +98,7 @@ def free_shared_block(prot: Any, runner: Any, batch: dict, rng: random.Random, d
     block = rng.choice(shared)
     g.allocator.pool.free_blocks(g.index, [block])
     readers = [rid for rid, bl in g.allocator.block_table.items() if block in bl]
-    detail.update(block=block, readers=readers)
+    detail.update(block=block, readers=readers, watch_block=block)
     return True
 
 
