@@ -39,7 +39,7 @@ def layouts():
 def test_fingerprint_matches_loop(kind):
     lay = layouts()[kind]
     slots = torch.arange(lay.sources[0].num_slots)
-    got = lay.fingerprint(slots, chunk=7).tolist()
+    got = lay.fingerprint(slots, chunk_words=7).tolist()
     want = [h.signed(h.py_content(slot_bytes(lay, s))) for s in range(len(slots))]
     assert got == want
 
@@ -106,3 +106,13 @@ def test_geometry_beyond_storage():
 def test_paged_dim_must_match_page_size():
     with pytest.raises(LayoutError, match="dim 1 is 4, expected page_size 8"):
         ByteSource.from_tensor("k", torch.zeros(3, 4, 16, dtype=torch.uint8), page_size=8)
+
+
+def test_evenly_spaced_sources_of_one_storage_fuse_into_one_gather():
+    base = torch.randint(0, 255, (6, 4, 64), dtype=torch.uint8)  # [pages, 4 sources x 16 B, ...] interleaved
+    srcs = tuple(ByteSource("s%d" % i, base, page_size=1, num_pages=6, page_stride=256, token_stride=0, rows=1,
+                            row_stride=16, row_bytes=16, offset=64 * i) for i in range(4))
+    lay = KvLayout(srcs + (ByteSource.from_tensor("other", torch.ones(6, 16, dtype=torch.uint8)),))
+    assert [r.keys.shape[0] for r in lay._runs] == [8, 2]
+    want = [h.signed(h.py_content(slot_bytes(lay, s))) for s in range(6)]
+    assert lay.fingerprint(torch.arange(6)).tolist() == want

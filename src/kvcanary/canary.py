@@ -103,8 +103,9 @@ class Canary:
         step.validate_shapes()
         if step.cached_lens.device != self.device:
             raise UnsupportedError(f"step tensors on {step.cached_lens.device}, the canary's pool on {self.device}")
-        if self.config.validate:
+        if self.config.validate and getattr(step, "_validated_for", None) != self.num_slots:
             step.validate_values(self.num_slots)
+            step._validated_for = self.num_slots  # type: ignore[attr-defined]  # once per step object
 
     @_guarded
     def before_forward(self, step: Step) -> None:

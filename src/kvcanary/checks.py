@@ -35,9 +35,9 @@ def _rows_of(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _bump(counters: torch.Tensor, *pairs: tuple[Counter, int | torch.Tensor]) -> None:
-    """Add to several counters with one indexed add."""
+    """Add to several counters with one indexed add (the torch path runs where reading a count is cheap)."""
     idx = torch.tensor([int(c) for c, _ in pairs], device=counters.device)
-    vals = torch.stack([torch.as_tensor(v, dtype=torch.int64, device=counters.device) for _, v in pairs])
+    vals = torch.tensor([int(v) for _, v in pairs], dtype=torch.int64, device=counters.device)
     counters.index_add_(0, idx, vals)
 
 

@@ -14,7 +14,7 @@ from kvcanary.errors import ConfigError
 Mode = Literal["off", "log", "raise"]
 Content = Literal["none", "all"]
 MODES = ("off", "log", "raise")
-AUTO_BUDGET = {"cpu": 1 << 20, "cuda": 256 << 20}
+AUTO_BUDGET = {"cpu": 256 << 10, "cuda": 256 << 20}
 CONTENTS = ("none", "all")
 
 
@@ -26,7 +26,7 @@ class CanaryConfig:
     ----------
     mode : ``off`` (engine untouched), ``log`` (report, never raise), ``raise`` (``poll`` raises)
     content : ``all`` fingerprints every byte of every layout source; ``none`` checks metadata only
-    content_budget_bytes : KV bytes re-fingerprinted per verify: ``"auto"`` (1 MiB on a CPU, 256 MiB on
+    content_budget_bytes : KV bytes re-fingerprinted per verify: ``"auto"`` (256 KiB on a CPU, 256 MiB on
         a GPU), a number, or ``None`` for every read slot; the window rotates across steps and what it
         leaves out is counted
     ring_capacity : violation rows held on the device between two polls

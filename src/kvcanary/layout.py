@@ -219,9 +219,7 @@ class KvLayout:
         devs = {s.tensor.device for s in self.sources}
         if len(devs) > 1:
             raise LayoutError(f"layout sources live on several devices: {sorted(map(str, devs))}")
-        object.__setattr__(
-            self, "_keys", [hashing.word_keys(i, s.read_words, s.tensor.device) for i, s in enumerate(self.sources)]
-        )
+        object.__setattr__(self, "_runs", _fuse_runs(self.sources))
 
     @property
     def content_bytes_per_slot(self) -> int:
@@ -236,18 +234,19 @@ class KvLayout:
                     f"{s.page_size}), fewer than the pool's {num_slots}"
                 )
 
-    def fingerprint(self, slots: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    def fingerprint(self, slots: torch.Tensor, chunk_words: int = 1 << 15) -> torch.Tensor:
         """Content fingerprint of each slot, int64 ``[n]`` (0 for a layout with no sources)."""
         n = slots.shape[0]
         if not self.sources:
             return torch.zeros(n, dtype=torch.int64, device=slots.device)
         acc = torch.zeros(n, dtype=torch.int64, device=slots.device)
-        keys: list[torch.Tensor] = getattr(self, "_keys")
-        for src, key in zip(self.sources, keys):
-            # chunks bound the temporary [chunk, words] tensors to a few MB
+        runs: list[_Run] = getattr(self, "_runs")
+        for run in runs:
+            # chunks keep the temporaries [chunk, words] within a cache-friendly size
+            chunk = max(1, chunk_words // run.keys.shape[0])
             for lo in range(0, n, chunk):
-                sl = slots[lo : lo + chunk]
-                acc[lo : lo + chunk] += hashing.fold_words(src.gather_words(sl), key)
+                words = run.gather(slots[lo : lo + chunk])
+                acc[lo : lo + chunk] += hashing.fold_words(words, run.keys)
         return hashing.finish_content(acc)
 
     @classmethod
@@ -262,3 +261,49 @@ class KvLayout:
         return cls(
             tuple(ByteSource.from_tensor(n, t, page_size=page_size, read_bytes=read_bytes) for n, t in tensors)
         )
+
+
+@dataclass(frozen=True, eq=False)
+class _Run:
+    """Consecutive sources read by one gather: the same storage and geometry, evenly spaced
+    (a packed cache's per-layer K and V pages); ``view`` is ``[pages, page_size, sources, words]``
+    (a single source: ``[pages, page_size, rows, words]``)."""
+
+    view: torch.Tensor
+    page_size: int
+    keys: torch.Tensor  # the sources' word keys, concatenated in layout order
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        v = self.view[torch.div(slots, self.page_size, rounding_mode="floor"), slots % self.page_size]
+        return v.reshape(slots.shape[0], -1)
+
+
+def _fusable(a: ByteSource, b: ByteSource) -> bool:
+    same = ("page_size", "num_pages", "page_stride", "token_stride", "row_bytes", "read_bytes")
+    return (a.rows == b.rows == 1 and all(getattr(a, k) == getattr(b, k) for k in same)
+            and a.tensor.untyped_storage().data_ptr() == b.tensor.untyped_storage().data_ptr())
+
+
+def _fuse_runs(sources: Sequence[ByteSource]) -> list[_Run]:
+    runs: list[_Run] = []
+    i = 0
+    while i < len(sources):
+        j = i + 1
+        if j < len(sources) and _fusable(sources[i], sources[j]):
+            delta = sources[j].offset - sources[i].offset
+            while (j < len(sources) and _fusable(sources[i], sources[j])
+                   and sources[j].offset - sources[j - 1].offset == delta):
+                j += 1
+        group = sources[i:j]
+        keys = torch.cat([hashing.word_keys(i + k, s.read_words, s.tensor.device) for k, s in enumerate(group)])
+        if len(group) == 1:
+            view = group[0]._words  # [pages, page_size, rows, words]
+        else:
+            first = group[0]._words
+            st = first.stride()
+            view = first.as_strided((first.shape[0], first.shape[1], len(group), first.shape[3]),
+                                    (st[0], st[1], (group[1].offset - group[0].offset) // 8, 1),
+                                    first.storage_offset())
+        runs.append(_Run(view, group[0].page_size, keys))
+        i = j
+    return runs
