@@ -2,7 +2,9 @@
 
 The canary runs in log mode with metadata checks on every forward and content checks of every
 layer within the default budget. Runs alternate off/on ``--repeats`` times per workload; the
-median of each is reported. One JSON line per workload.
+median of each is reported (``overhead_pct``), and so is the canary's own host time against the
+run without it (``canary_time_pct``), which a shared, noisy machine disturbs less. One JSON line
+per workload.
 
     python bench/transformers_cb.py [--repeats 5] [--device cpu|cuda]
 """
@@ -39,8 +41,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
     args = ap.parse_args()
-    model = tiny_model(seed=0, layers=args.layers).to(args.device)
+    model = tiny_model(seed=0, layers=args.layers, hidden=args.hidden).to(args.device)
     for name, (n, prefix, tail, new) in WORKLOADS.items():
         ps = prompts(n, prefix, tail)
         gen, cb = cb_configs(max_new_tokens=new, num_blocks=256, max_batch_tokens=256)
@@ -74,10 +77,14 @@ def main() -> None:
             "wall_s_off": round(m_off, 4), "wall_s_on": round(m_on, 4),
             "tok_per_s_off": round(tokens / m_off, 1), "tok_per_s_on": round(tokens / m_on, 1),
             "overhead_pct": round(100 * (m_on - m_off) / m_off, 2),
+            # the canary's own host time per run against the run without it: steadier on a shared machine
+            "canary_time_pct": round(100 * stats.get("canary_us", 0) / 1e6 / m_off, 2),
+            "canary_us_per_forward": round(stats.get("canary_us", 0) / max(1, stats.get("forwards", 1)), 1),
             "forwards": stats.get("forwards"), "slots_verified": stats.get("slots_verified"),
             "content_bytes_verified": stats.get("content_bytes_verified"),
             "content_bytes_stamped": stats.get("content_bytes_stamped"),
             "violations": stats.get("violations"), "repeats": args.repeats, "threads": torch.get_num_threads(),
+            "model": f"llama layers={args.layers} hidden={args.hidden}",
         }), flush=True)
 
 

@@ -18,6 +18,7 @@ transformers is imported inside functions only; ``import kvcanary`` never needs 
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -113,6 +114,7 @@ class Protection:
         self.cache: Any = None
         self.violations: list[Violation] = []
         self.forwards = 0
+        self.seconds = 0.0  # host time spent in the canary's hooks
         self.internal_errors = 0
         self._tokens: dict[str, torch.Tensor] = {}
         self._offloaded: dict[str, dict[str, torch.Tensor]] = {}
@@ -157,7 +159,7 @@ class Protection:
         return f"{v.describe()} [request {rid}, group {group}]"
 
     def stats(self) -> dict[str, int]:
-        out: dict[str, int] = {"forwards": self.forwards}
+        out: dict[str, int] = {"forwards": self.forwards, "canary_us": int(self.seconds * 1e6)}
         for g in self.groups.values():
             for k, v in g.canary.stats().items():
                 out[k] = out.get(k, 0) + v
@@ -229,6 +231,13 @@ class Protection:
         return steps
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
+        t0 = time.perf_counter()
+        try:
+            return self._before(runner, batch)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         try:
             if any(fs.state.request_id.startswith("__warmup") for fs in runner.inputs_and_outputs.requests_in_batch):
                 return None
@@ -247,10 +256,12 @@ class Protection:
     def after(self, steps: dict[str, Step] | None) -> None:
         if steps is None:
             return
+        t0 = time.perf_counter()
         for name, step in steps.items():
             self.groups[name].canary.after_forward(step)
         self.forwards += 1
         self.poll()
+        self.seconds += time.perf_counter() - t0
 
     def offloaded(self, cache: Any, rids: set[str], tables: dict[str, dict[str, list[int]]]) -> None:
         """Blocks of ``rids`` were copied to the CPU tier: keep their stamps beside them."""
@@ -347,7 +358,7 @@ def _uninstall() -> None:
 
 
 def tiny_model(seed: int = 0, layers: int = 4, kv_heads: int = 4, sliding_window: int | None = None,
-               path: str | None = None) -> Any:
+               path: str | None = None, hidden: int = 128) -> Any:
     """A small Llama-architecture causal LM with random weights from a fixed seed (nothing is fetched).
 
     ``sliding_window`` gives a Mistral-style model whose layers all attend to a window (one sliding
@@ -358,7 +369,7 @@ def tiny_model(seed: int = 0, layers: int = 4, kv_heads: int = 4, sliding_window
     if path is not None:
         return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                                  attn_implementation="sdpa").eval()
-    common = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+    common = dict(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024)
     torch.manual_seed(seed)
     if sliding_window is None:
