@@ -87,6 +87,12 @@ class Canary:
                 f"expected 0 (no per-step content checks) or >= {per_slot}"
             )
         self.content_slots = None if budget is None or not per_slot else budget // per_slot
+        self.backend = self._resolve_backend()
+        self.validate = self.config.validate if self.config.validate is not None else self.backend == "torch"
+        if self.backend == "triton":
+            from kvcanary.kernels._common import source_table
+
+            self._src_table = source_table(self.layout, self.device)
         self.stamps = checks.new_stamps(num_slots, self.device)
         self.ring = ViolationRing(self.config.ring_capacity, self.device)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -94,6 +100,18 @@ class Canary:
         self.internal_errors = 0
         self.history: collections.deque[Violation] = collections.deque(maxlen=self.config.history)
         self.callbacks = list(on_violation)
+
+    def _resolve_backend(self) -> str:
+        want = self.config.backend
+        if want == "torch" or (want == "auto" and self.device.type == "cpu"):
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            if want == "triton":
+                raise UnsupportedError("backend 'triton' needs the triton package (pip install triton)") from None
+            return "torch"
+        return "triton"
 
     @property
     def step_id(self) -> int:
@@ -103,7 +121,7 @@ class Canary:
         step.validate_shapes()
         if step.cached_lens.device != self.device:
             raise UnsupportedError(f"step tensors on {step.cached_lens.device}, the canary's pool on {self.device}")
-        if self.config.validate and getattr(step, "_validated_for", None) != self.num_slots:
+        if self.validate and getattr(step, "_validated_for", None) != self.num_slots:
             step.validate_values(self.num_slots)
             step._validated_for = self.num_slots  # type: ignore[attr-defined]  # once per step object
 
@@ -111,6 +129,12 @@ class Canary:
     def before_forward(self, step: Step) -> None:
         """Verify every cached slot the step's attention will read (position, link, token, content)."""
         self._prepare(step)
+        if self.backend == "triton":
+            from kvcanary.kernels import verify
+
+            verify.verify(self.stamps, self._src_table, len(self.layout.sources), self.layout.content_bytes_per_slot,
+                          step, self.ring.counters, self.cursor, self.content_slots, self.ring.rows)
+            return
         rows = checks.verify(self.stamps, self.layout, step, self.ring.counters, self.cursor,
                              self.content_slots, self.step_id)
         self.ring.append(rows)
@@ -119,8 +143,14 @@ class Canary:
     def after_forward(self, step: Step) -> None:
         """Stamp every slot the step wrote, fingerprinting its KV bytes, and check the writes."""
         self._prepare(step)
-        rows = checks.stamp(self.stamps, self.layout, step, self.ring.counters, self.step_id)
-        self.ring.append(rows)
+        if self.backend == "triton":
+            from kvcanary.kernels import stamp
+
+            stamp.stamp(self.stamps, self._src_table, len(self.layout.sources), self.layout.content_bytes_per_slot,
+                        step, self.ring.counters, self.ring.rows)
+        else:
+            rows = checks.stamp(self.stamps, self.layout, step, self.ring.counters, self.step_id)
+            self.ring.append(rows)
         self.ring.counters[Counter.STEPS] += 1
 
     @_guarded

@@ -12,6 +12,8 @@ from typing import Callable, Literal
 from kvcanary.errors import ConfigError
 
 Mode = Literal["off", "log", "raise"]
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS = ("auto", "torch", "triton")
 Content = Literal["none", "all"]
 MODES = ("off", "log", "raise")
 AUTO_BUDGET = {"cpu": 256 << 10, "cuda": 256 << 20}
@@ -30,7 +32,10 @@ class CanaryConfig:
         a GPU), a number, or ``None`` for every read slot; the window rotates across steps and what it
         leaves out is counted
     ring_capacity : violation rows held on the device between two polls
-    validate : check step values (ranges) on the host before each op; off under graph capture
+    validate : check step values (ranges) on the host before each op (reads device tensors, so not
+        under graph capture); ``None``: on for the torch backend, off for Triton
+    backend : ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton`` (on a CPU only under
+        ``TRITON_INTERPRET=1``)
     scrub_slots : slots the patrol scrub re-fingerprints per ``scrub()`` call
     history : decoded violations kept on the canary for inspection
     """
@@ -39,13 +44,16 @@ class CanaryConfig:
     content: Content = "all"
     content_budget_bytes: int | None | Literal["auto"] = "auto"
     ring_capacity: int = 4096
-    validate: bool = True
+    validate: bool | None = None
+    backend: Backend = "auto"
     scrub_slots: int = 4096
     history: int = 10_000
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         if self.content not in CONTENTS:
             raise ConfigError(f"content: expected one of {CONTENTS}, got {self.content!r}")
         b = self.content_budget_bytes
@@ -110,6 +118,7 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_RING_CAPACITY": ("ring_capacity", _int),
     "KVCANARY_VALIDATE": ("validate", _bool),
     "KVCANARY_SCRUB_SLOTS": ("scrub_slots", _int),
+    "KVCANARY_BACKEND": ("backend", str),
 }
 
 assert {f for f, _ in ENV.values()} <= {f.name for f in fields(CanaryConfig)}

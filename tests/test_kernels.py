@@ -1,0 +1,198 @@
+"""Triton kernels equal the torch path bit for bit: stamps, counters, violation sets.
+
+Without a GPU they run under ``TRITON_INTERPRET=1`` on CPU tensors (small cases); with one, on CUDA.
+"""
+
+import random
+
+import pytest
+import torch
+
+from kvcanary import ByteSource, Canary, CanaryConfig, KvLayout, UnsupportedError, checks
+from kvcanary.engines import workload
+from kvcanary.engines.scripted import EngineSpec, ScriptedEngine
+from kvcanary.kernels import stamp as kstamp
+from kvcanary.kernels import verify as kverify
+from kvcanary.kernels._common import source_table
+from kvcanary.kernels.content import content
+from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS, Counter
+
+from factories import prefill_of, random_step
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_layout(kind: str, nb: int, bs: int, seed: int) -> KvLayout:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randint(-3000, 3000, shape, generator=g).to(torch.float16).to(DEV)
+
+    if kind == "paged":
+        return KvLayout(tuple(ByteSource.from_tensor(f"l{i}", rnd(nb, bs, 2, 8), page_size=bs) for i in range(2)))
+    if kind == "packed":
+        t = rnd(nb, 2, bs, 2, 8)
+        return KvLayout(tuple(ByteSource.from_tensor(h, t[:, i], page_size=bs) for i, h in enumerate("kv")))
+    if kind == "head_major":
+        return KvLayout((ByteSource.from_tensor("k", rnd(nb, 2, bs, 8).permute(0, 2, 1, 3), page_size=bs),))
+    if kind == "partial":
+        return KvLayout((ByteSource.from_tensor("k", rnd(nb, bs, 4, 16), page_size=bs, read_bytes=32),))
+    return KvLayout()  # metadata only
+
+
+def rows_of(ring, counters):
+    n = int(counters[Counter.VIOLATIONS])
+    assert n <= ring.shape[0]
+    return sorted(map(tuple, ring[:n].cpu().tolist()))
+
+
+def first_mismatch(a, b):
+    bad = (a != b).nonzero()
+    return None if not bad.numel() else (tuple(bad[0].tolist()), a[tuple(bad[0])].item(), b[tuple(bad[0])].item())
+
+
+def corrupt(rng, stamps, layout, step):
+    for _ in range(rng.randint(1, 4)):
+        what = rng.choice(["stamp", "byte", "table", "token"])
+        if what == "stamp":
+            stamps[rng.randrange(stamps.shape[0]), rng.randrange(4)] ^= 1 << rng.randrange(63)
+        elif what == "byte" and layout.sources:
+            src = rng.choice(layout.sources)
+            row = src.slot_bytes(rng.randrange(stamps.shape[0]))
+            row[rng.randrange(src.rows), rng.randrange(src.row_bytes)] ^= 1 << rng.randrange(8)
+        elif what == "table":
+            t = step.table
+            t[rng.randrange(t.shape[0]), rng.randrange(t.shape[1])] = rng.randrange(-1, int(t.max()) + 2)
+        elif step.expected_tokens is not None:
+            step.expected_tokens[rng.randrange(step.expected_tokens.shape[0])] += 1
+
+
+CASES = [(bs, kind, lay) for bs in (1, 16, 64) for kind in ("block", "token")
+         for lay in ("paged", "packed", "head_major", "partial", "none")]
+
+
+@pytest.mark.parametrize("bs,kind,lay", CASES)
+def test_verify_and_stamp_match_torch(bs, kind, lay):
+    for seed in range(2):
+        rng = random.Random(hash((bs, kind, lay, seed)) & 0xFFFF)
+        nb = max(8, 400 // bs)
+        layout = make_layout(lay, nb, bs, seed)
+        table = source_table(layout, DEV)
+        ns, bps = len(layout.sources), layout.content_bytes_per_slot
+        long_row = rng.randint(70, 140)  # more entries than one program's block of 64
+        lens = [(long_row, rng.randint(0, 3))] + [(rng.randint(0, 20), rng.randint(0, 40)) for _ in range(2)]
+        step, stoks = random_step(rng, nb * bs, bs, lens, kind, rng.randint(0, 2), rng.random() < 0.5,
+                                  rng.choice([None, 5]))
+        step = _to(step, DEV)
+        pre = _to(prefill_of(step, stoks), DEV)
+        st_t = checks.new_stamps(nb * bs, DEV)
+        st_k = st_t.clone()
+        c_t, c_k = _zeros(), _zeros()
+        ring = torch.zeros(512, NUM_FIELDS, dtype=torch.int64, device=DEV)
+        assert checks.stamp(st_t, layout, pre, c_t, 0).shape[0] == 0
+        kstamp.stamp(st_k, table, ns, bps, pre, c_k, ring, block=32)  # several scan blocks and carries
+        assert torch.equal(st_t, st_k), first_mismatch(st_t, st_k)
+        assert torch.equal(c_t, c_k)
+        corrupt(rng, st_t, layout, step)
+        st_k.copy_(st_t)
+        for budget in (None, 0, 7):
+            c_t, c_k, ring = _zeros(), _zeros(), ring.zero_()
+            cur_t = torch.tensor([rng.randrange(50)], device=DEV)
+            cur_k = cur_t.clone()
+            rows_t = checks.verify(st_t, layout, step, c_t, cur_t, budget, 0)
+            kverify.verify(st_k, table, ns, bps, step, c_k, cur_k, budget, ring)
+            c_t[Counter.VIOLATIONS] += rows_t.shape[0]
+            assert sorted(map(tuple, rows_t.cpu().tolist())) == rows_of(ring, c_k)
+            assert torch.equal(c_t, c_k) and torch.equal(cur_t, cur_k)
+        if rng.random() < 0.5 and step.num_new:
+            step.new_positions[rng.randrange(step.num_new)] += 1
+        c_t, c_k, ring = _zeros(), _zeros(), ring.zero_()
+        rows_t = checks.stamp(st_t, layout, step, c_t, 0)
+        kstamp.stamp(st_k, table, ns, bps, step, c_k, ring, block=32)
+        c_t[Counter.VIOLATIONS] += rows_t.shape[0]
+        assert torch.equal(st_t, st_k), first_mismatch(st_t, st_k)
+        assert sorted(map(tuple, rows_t.cpu().tolist())) == rows_of(ring, c_k) and torch.equal(c_t, c_k)
+
+
+@pytest.mark.parametrize("lay", ["paged", "packed", "head_major", "partial"])
+def test_content_matches_fingerprint(lay):
+    layout = make_layout(lay, 9, 16, 3)
+    slots = torch.randperm(9 * 16, device=DEV)[:37]  # a prime count
+    slots[5] = -1
+    out = torch.empty(37, dtype=torch.int64, device=DEV)
+    content(slots, source_table(layout, DEV), len(layout.sources), out)
+    want = layout.fingerprint(slots.clamp_min(0))
+    want[5] = 0
+    assert torch.equal(out, want), first_mismatch(out, want)
+
+
+def test_canary_triton_backend_equals_torch_backend_on_an_engine_run():
+    stats = {}
+    for backend in ("torch", "triton"):
+        spec = EngineSpec(num_blocks=24, block_size=4, layout="paged", seed=3)
+        eng = ScriptedEngine(spec)
+        canary = Canary(eng.num_slots, eng.layout, CanaryConfig(mode="raise", backend=backend, validate=True,
+                                                                 content_budget_bytes=1024))
+        eng.canary = canary
+        workload.run(eng, workload.Workload(requests=6, seed=3), on_step=lambda e: canary.poll())
+        assert canary.backend == backend
+        stats[backend] = (canary.stats(), canary.stamps.clone())
+    assert stats["torch"][0] == stats["triton"][0]
+    assert torch.equal(stats["torch"][1], stats["triton"][1])
+
+
+def test_dispatch():
+    assert Canary(8, config=CanaryConfig()).backend == "torch"
+    if torch.cuda.is_available():
+        assert Canary(8, device="cuda").backend == "triton"
+    with pytest.raises(UnsupportedError, match="device: expected cpu or cuda, got meta"):
+        Canary(8, device="meta")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_replay_matches_eager():
+    rng = random.Random(5)
+    nb, bs = 64, 16
+    layout = make_layout("paged", nb, bs, 5)
+    step, stoks = random_step(rng, nb * bs, bs, [(40, 1), (70, 3), (33, 1)], "block")
+    step, pre = _to(step, DEV), _to(prefill_of(step, stoks), DEV)
+    other = _to(random_step(random.Random(6), nb * bs, bs, [(40, 1), (70, 3), (33, 1)], "block")[0], DEV)
+    cfg = CanaryConfig(mode="log", validate=False, content_budget_bytes=None)
+
+    def fresh():
+        c = Canary(nb * bs, layout, cfg)
+        c.after_forward(pre)
+        return c
+
+    warm = fresh()  # compiles every kernel for these shapes outside the capture
+    warm.before_forward(step)
+    warm.after_forward(step)
+    eager = fresh()
+    eager.before_forward(other)
+    eager.after_forward(other)
+    graphed = fresh()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed.before_forward(step)
+        graphed.after_forward(step)
+    for f in ("cached_lens", "new_offsets", "new_tokens", "new_positions", "new_slots", "block_table",
+              "expected_tokens", "row_valid"):
+        getattr(step, f).copy_(getattr(other, f))  # refill the captured step in place
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager.stamps, graphed.stamps), first_mismatch(eager.stamps, graphed.stamps)
+    assert torch.equal(eager.ring.counters, graphed.ring.counters)
+    assert sorted(str(v) for v in eager.poll()) == sorted(str(v) for v in graphed.poll())
+
+
+def _zeros():
+    return torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=DEV)
+
+
+def _to(step, dev):
+    for f in step.__dataclass_fields__:
+        v = getattr(step, f)
+        if isinstance(v, torch.Tensor):
+            setattr(step, f, v.to(dev))
+    return step
