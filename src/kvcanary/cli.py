@@ -222,11 +222,11 @@ def _selftest(args: argparse.Namespace) -> int:
     print("-" * len(head))
     for r in rows:
         det = f"{r['detected']}/{r['runs']}" if r["runs"] else "-"
-        fwd = "-" if r["forwards_max"] is None else str(r["forwards_max"])
+        fwd_s = "-" if r["forwards_max"] is None else str(r["forwards_max"])
         fired = ",".join(r["checks_fired"]) or (str(r.get("why", "")) if r["status"] == "miss" else "")  # type: ignore[arg-type]
         zoo = ",".join(r["zoo"])  # type: ignore[arg-type]
         mark = "" if r["status"] in ("ok", "miss") else "   <-- FAIL"
-        print(f"{r['fault']:<30} {zoo:<15} {r['expected']:<16} {r['engine']:<13} {det:<9} {fwd:<5} {fired}{mark}")
+        print(f"{r['fault']:<30} {zoo:<15} {r['expected']:<16} {r['engine']:<13} {det:<9} {fwd_s:<5} {fired}{mark}")
     print(f"\nclean soak: {soak['soak_steps']} steps, {soak['slots_verified']} slots verified, "
           f"{false_positives} false positives")
     print("selftest " + ("passed" if ok else "FAILED"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 from kvcanary.errors import ConfigError
 
@@ -74,7 +74,7 @@ class CanaryConfig:
         """``base`` (default: defaults) with every set ``KVCANARY_*`` variable applied."""
         env = os.environ if environ is None else environ
         base = base or cls()
-        changes: dict[str, object] = {}
+        changes: dict[str, Any] = {}
         for var, (fname, parse) in ENV.items():
             if var in env:
                 try:

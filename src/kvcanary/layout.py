@@ -186,7 +186,7 @@ class ByteSource:
             rows=rows,
             row_stride=row_stride if rows > 1 else row_bytes,
             row_bytes=row_bytes,
-            offset=tensor.storage_offset() * es,
+            offset=int(tensor.storage_offset()) * es,
             read_bytes=read_bytes,
         )
 

@@ -248,7 +248,8 @@ class Protection:
             self.rows[self.forwards] = [fs.state.request_id for fs in runner.inputs_and_outputs.requests_in_batch]
             self.rows.pop(self.forwards - self.config.history, None)
         except Exception:
-            return self._internal("building steps")
+            self._internal("building steps")
+            return None
         for name, step in steps.items():
             self.groups[name].canary.before_forward(step)
         return steps
@@ -338,9 +339,9 @@ def _install() -> None:
         if prot is not None and rids:
             prot.restored(self.cache, rids)
 
-    ModelRunner.compute_batch = compute_batch
-    OffloadingManager._offload_to_cpu = offload
-    OffloadingManager.restore_scheduled_requests = restore
+    setattr(ModelRunner, "compute_batch", compute_batch)
+    setattr(OffloadingManager, "_offload_to_cpu", offload)
+    setattr(OffloadingManager, "restore_scheduled_requests", restore)
 
 
 def _uninstall() -> None:
@@ -349,9 +350,9 @@ def _uninstall() -> None:
     from transformers.generation.continuous_batching.model_runner import ModelRunner
     from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
 
-    ModelRunner.compute_batch = _ORIGINAL.pop("compute_batch")
-    OffloadingManager._offload_to_cpu = _ORIGINAL.pop("offload")
-    OffloadingManager.restore_scheduled_requests = _ORIGINAL.pop("restore")
+    setattr(ModelRunner, "compute_batch", _ORIGINAL.pop("compute_batch"))
+    setattr(OffloadingManager, "_offload_to_cpu", _ORIGINAL.pop("offload"))
+    setattr(OffloadingManager, "restore_scheduled_requests", _ORIGINAL.pop("restore"))
 
 
 # ---- a model without downloads ---------------------------------------------------------------
@@ -369,9 +370,10 @@ def tiny_model(seed: int = 0, layers: int = 4, kv_heads: int = 4, sliding_window
     if path is not None:
         return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                                  attn_implementation="sdpa").eval()
-    common = dict(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    common: dict[str, Any] = dict(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024)
     torch.manual_seed(seed)
+    model: Any
     if sliding_window is None:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:

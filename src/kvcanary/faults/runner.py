@@ -94,7 +94,7 @@ def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = 
             if landed_at is None and inj.landed:
                 landed_at = eng.steps - (1 if inj.in_forward else 0)
             hits = [v for v in found if v.checks & fc.checks] if landed_at is not None else []
-            if hits:
+            if hits and landed_at is not None:
                 fired = sorted({c.name or "" for v in hits for c in Check if c in v.checks})
                 return _result(fc, "scripted", seed, True, fired, eng.steps - landed_at, inj.detail, hits[0].describe())
             if landed_at is not None and eng.steps - landed_at >= fc.max_forwards + 2:
