@@ -76,53 +76,65 @@ def verify(
     num_slots = stamps.shape[0]
     valid = step.valid_rows()
     start = step.starts()
-    counts = torch.where(valid, step.cached_lens.long() - start, torch.zeros_like(start)).clamp_min(0)
+    counts = torch.where(valid, step.cached_lens.long() - start, 0).clamp_min(0)
     row, idx = _rows_of(counts)
     pos = start[row] + idx
     slot = step.lookup(row, pos)
-    has_pred = idx > 0  # a row's entries are consecutive: the predecessor is the previous entry
-    pred = torch.where(has_pred, slot.roll(1), -1)
-    bad = (slot < 0) | (slot >= num_slots)
-    pred_ok = has_pred & (pred >= 0) & (pred < num_slots)
-    st = stamps[torch.where(bad, 0, slot)]
-    empty = (st[:, POSITION] == -1) & ~bad
-    readable = ~bad & ~empty
+    sl = slot.clamp(0, num_slots - 1)
+    bad = sl != slot
+    s_tok, s_pos, s_link, s_cont = stamps[sl].unbind(1)
+    empty = (s_pos == -1) & ~bad
+    readable = ~(bad | empty)
+    # a row's entries are consecutive: an entry's predecessor is the previous entry
+    has_pred = idx > 0
+    pred_ok = has_pred & ~bad.roll(1)
     linked = readable & ((pos == 0) | pred_ok)
-    prev_link = torch.where(pos == 0, _SEED, stamps[torch.where(pred_ok, pred, 0), LINK])
-    exp_link = torch.where(linked, hashing.link_next(prev_link, st[:, TOKEN], st[:, POSITION]), 0)
+    prev_link = torch.where(pos == 0, _SEED, s_link.roll(1))
+    exp_link = torch.where(linked, hashing.link_next(prev_link, s_tok, s_pos), 0)
+    pos_bad = readable & (s_pos != pos)
+    link_bad = linked & (s_link != exp_link)
+    failed = bad | empty | pos_bad | link_bad
 
-    checks = torch.zeros_like(pos)
-    checks |= torch.where(bad, int(Check.BAD_SLOT), 0)
-    checks |= torch.where(empty, int(Check.EMPTY), 0)
-    checks |= torch.where(readable & (st[:, POSITION] != pos), int(Check.POSITION), 0)
-    checks |= torch.where(linked & (st[:, LINK] != exp_link), int(Check.LINK), 0)
-
-    exp_tok = torch.full_like(pos, -1)
+    exp_tok = None
     if step.expected_tokens is not None:
         et = step.expected_tokens
         inside = pos < et.shape[1]
         exp_tok = torch.where(inside, et[row, torch.where(inside, pos, 0)].long(), -1)
-        checks |= torch.where(readable & (exp_tok != -1) & (st[:, TOKEN] != exp_tok), int(Check.TOKEN), 0)
+        tok_bad = readable & (exp_tok != -1) & (s_tok != exp_tok)
+        failed |= tok_bad
 
     n = pos.shape[0]
-    exp_content = torch.zeros_like(pos)
+    content_bad = exp_content = None
     if layout.sources and n:
         cur = cursor % n
         k = n if content_slots is None else min(content_slots, n)
         in_window = (torch.arange(n, device=pos.device) - cur) % n < k
         sel = in_window & readable
         which = sel.nonzero().squeeze(1)
+        exp_content = torch.zeros_like(pos)
         exp_content[which] = layout.fingerprint(slot[which])
-        checks |= torch.where(sel & (st[:, CONTENT] != exp_content), int(Check.CONTENT), 0)
+        content_bad = sel & (s_cont != exp_content)
+        failed |= content_bad
         nsel = which.shape[0]
         _bump(counters, (Counter.CONTENT_SLOTS_VERIFIED, nsel), (Counter.CONTENT_SLOTS_SKIPPED, n - k),
               (Counter.CONTENT_BYTES_VERIFIED, nsel * layout.content_bytes_per_slot))
         cursor += k
 
-    _bump(counters, (Counter.SLOTS_VERIFIED, n), (Counter.LINKS_CHECKED, linked.sum()),
-          (Counter.LINKS_UNCHECKED, (readable & ~linked).sum()))
-    cols = [row, slot, pos, exp_tok, st[:, TOKEN], st[:, POSITION], exp_link, st[:, LINK], exp_content,
-            st[:, CONTENT], pred]
+    nlinked = int(linked.sum())
+    _bump(counters, (Counter.SLOTS_VERIFIED, n), (Counter.LINKS_CHECKED, nlinked),
+          (Counter.LINKS_UNCHECKED, int(readable.sum()) - nlinked))
+    if not bool(failed.any()):  # the clean path builds no violation rows
+        return torch.empty(0, NUM_FIELDS, dtype=torch.int64, device=pos.device)
+    checks = (bad * int(Check.BAD_SLOT) + empty * int(Check.EMPTY) + pos_bad * int(Check.POSITION)
+              + link_bad * int(Check.LINK))
+    if exp_tok is not None:
+        checks += tok_bad * int(Check.TOKEN)
+    if content_bad is not None:
+        checks += content_bad * int(Check.CONTENT)
+    pred = torch.where(has_pred, slot.roll(1), -1)
+    zero = torch.zeros_like(pos)
+    cols = [row, slot, pos, torch.full_like(pos, -1) if exp_tok is None else exp_tok, s_tok, s_pos, exp_link,
+            s_link, zero if exp_content is None else exp_content, s_cont, pred]
     return _pack(Site.VERIFY, checks, step_id, cols)
 
 
@@ -164,32 +176,43 @@ def stamp(
     g = hashing.g_term(tok, pos)
     # every token of a row advances its chain, padding ones too (a window engine sends the oldest
     # tokens of a long prefill to a trash slot, but they are still part of the prefix)
-    a = torch.where(head, 0, _B)
     b = g + torch.where(head, seed * _B, 0)
-    link = hashing.affine_scan(a, b)
+    if bool(head.all()):  # one token per row (decode): every map is constant, no scan needed
+        link = b
+    else:
+        link = hashing.affine_scan(torch.where(head, 0, _B), b)
 
-    checks = torch.zeros_like(pos)
-    checks |= torch.where(writes & (pos != exp_pos), int(Check.WRITE_POSITION), 0)
     table_slot = step.lookup(row, exp_pos)
-    checks |= torch.where(writes & (table_slot != slot), int(Check.WRITE_TABLE), 0)
-    exp_tok = torch.full_like(tok, -1)
+    wpos_bad = writes & (pos != exp_pos)
+    wtab_bad = writes & (table_slot != slot)
+    failed = wpos_bad | wtab_bad
+    exp_tok = tok_bad = epos_bad = None
     if step.expected_new_tokens is not None:
         exp_tok = step.expected_new_tokens.long()
-        checks |= torch.where(writes & (tok != exp_tok), int(Check.WRITE_INPUT_TOKEN), 0)
+        tok_bad = writes & (tok != exp_tok)
+        failed |= tok_bad
     if step.expected_new_positions is not None:
-        checks |= torch.where(writes & (pos != step.expected_new_positions.long()),
-                              int(Check.WRITE_INPUT_POSITION), 0)
+        epos_bad = writes & (pos != step.expected_new_positions.long())
+        failed |= epos_bad
 
     w = writes.nonzero().squeeze(1)
     ws = slot[w]
     content = layout.fingerprint(ws)
     stamps[ws] = torch.stack([tok[w], pos[w], link[w], content], dim=1)
-    full_content = torch.zeros_like(tok)
-    full_content[w] = content
     _bump(counters, (Counter.SLOTS_STAMPED, w.shape[0]),
           (Counter.CONTENT_BYTES_STAMPED, w.shape[0] * layout.content_bytes_per_slot))
+    if not bool(failed.any()):
+        return torch.empty(0, NUM_FIELDS, dtype=torch.int64, device=tok.device)
+    checks = wpos_bad * int(Check.WRITE_POSITION) + wtab_bad * int(Check.WRITE_TABLE)
+    if tok_bad is not None:
+        checks += tok_bad * int(Check.WRITE_INPUT_TOKEN)
+    if epos_bad is not None:
+        checks += epos_bad * int(Check.WRITE_INPUT_POSITION)
+    full_content = torch.zeros_like(tok)
+    full_content[w] = content
     zero = torch.zeros_like(tok)
-    cols = [row, slot, exp_pos, exp_tok, tok, pos, zero, link, zero, full_content, table_slot]
+    cols = [row, slot, exp_pos, torch.full_like(tok, -1) if exp_tok is None else exp_tok, tok, pos, zero, link,
+            zero, full_content, table_slot]
     return _pack(Site.WRITE, checks, step_id, cols)
 
 

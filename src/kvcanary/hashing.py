@@ -119,9 +119,27 @@ def fmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _lsr(x, 33)
 
 
+_POS_TABLE: dict[torch.device, torch.Tensor] = {}
+_POS_TABLE_LIMIT = 1 << 22
+
+
+def pos_mix(positions: torch.Tensor) -> torch.Tensor:
+    """``fmix64(position + POS_SALT)``, from a cached table for the usual range (CPU path speed)."""
+    if positions.numel() and positions.device.type == "cpu":
+        lo, hi = int(positions.min()), int(positions.max())
+        if 0 <= lo and hi < _POS_TABLE_LIMIT:
+            table = _POS_TABLE.get(positions.device)
+            if table is None or table.shape[0] <= hi:
+                size = max(1024, 1 << hi.bit_length())
+                table = fmix64(torch.arange(size, dtype=torch.int64, device=positions.device) + signed(POS_SALT))
+                _POS_TABLE[positions.device] = table
+            return table[positions]
+    return fmix64(positions + signed(POS_SALT))
+
+
 def g_term(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``g(token, position)`` elementwise; both int64, broadcastable."""
-    return fmix64(tokens ^ fmix64(positions + signed(POS_SALT)))
+    """``g(token, position)`` elementwise; both int64, same shape."""
+    return fmix64(tokens ^ pos_mix(positions))
 
 
 def link_next(prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -161,14 +161,14 @@ class Step:
         Positions outside the table map to -1.
         """
         trow = rows if self.table_rows is None else self.table_rows.long()[rows]
-        inside = (positions >= 0) & (positions < self.table_span)
-        p = torch.where(inside, positions, torch.zeros_like(positions))
+        p = positions.clamp(0, self.table_span - 1)
+        inside = p == positions
         if self.slot_table is not None:
             s = self.slot_table[trow, p].long()
         else:
             bs = self.block_size
             s = self.table[trow, torch.div(p, bs, rounding_mode="floor")].long() * bs + p % bs
-        return torch.where(inside, s, torch.full_like(s, -1))
+        return torch.where(inside, s, -1)
 
 
 def _check(ok: torch.Tensor, name: str, values: torch.Tensor, expected: str) -> None:
