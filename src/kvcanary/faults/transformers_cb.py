@@ -41,22 +41,23 @@ def _full_group(prot: Any) -> Any:
     return prot.groups.get("full_attention") or next(iter(prot.groups.values()))
 
 
-def _shared_blocks(group: Any) -> list[int]:
-    tables = group.allocator.block_table
+def _shared_block(prot: Any, rng: random.Random) -> tuple[Any, int] | None:
+    """The full-attention group and a block that several requests' tables hold, if there is one."""
+    group = _full_group(prot)
     seen: dict[int, int] = {}
-    for blocks in tables.values():
+    for blocks in group.allocator.block_table.values():
         for b in set(blocks):
             seen[b] = seen.get(b, 0) + 1
-    return sorted(b for b, n in seen.items() if n >= 2)
+    shared = sorted(b for b, n in seen.items() if n >= 2)
+    return (group, rng.choice(shared)) if shared else None
 
 
 def flip_shared_byte(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
     """Flip one bit of a K or V byte in a prefix block shared by several requests."""
-    g = _full_group(prot)
-    shared = _shared_blocks(g)
-    if not shared:
+    picked = _shared_block(prot, rng)
+    if picked is None:
         return False
-    block = rng.choice(shared)
+    g, block = picked
     slot = block * g.tpp + rng.randrange(g.tpp)
     src = rng.choice(g.canary.layout.sources)
     off = rng.randrange(src.row_bytes)
@@ -91,11 +92,10 @@ def redirect_table_entry(prot: Any, runner: Any, batch: dict, rng: random.Random
 
 def free_shared_block(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
     """Return a block still shared by several requests to the free pool, so it is handed out again."""
-    g = _full_group(prot)
-    shared = _shared_blocks(g)
-    if not shared:
+    picked = _shared_block(prot, rng)
+    if picked is None:
         return False
-    block = rng.choice(shared)
+    g, block = picked
     g.allocator.pool.free_blocks(g.index, [block])
     readers = [rid for rid, bl in g.allocator.block_table.items() if block in bl]
     detail.update(block=block, readers=readers, watch_block=block)

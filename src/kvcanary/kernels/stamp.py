@@ -17,7 +17,12 @@ from kvcanary.kernels._common import g_term, i64, u64
 from kvcanary.kernels.content import content as content_op
 from kvcanary.kernels.verify import lookup, record
 from kvcanary.step import Step
-from kvcanary.violations import Counter
+from kvcanary.violations import Check, Counter
+
+# the kernels spell these as literals
+assert [int(c) for c in (Check.WRITE_POSITION, Check.WRITE_TABLE, Check.WRITE_INPUT_TOKEN,
+                         Check.WRITE_INPUT_POSITION)] == [64, 128, 256, 512]
+assert (int(Counter.SLOTS_STAMPED), int(Counter.CONTENT_BYTES_STAMPED)) == (7, 8)
 
 
 @triton.jit
@@ -153,4 +158,3 @@ def stamp(stamps: torch.Tensor, layout_table: torch.Tensor, nsrc: int, bytes_per
         HAS_VALID=step.row_valid is not None, HAS_EXP_TOK=step.expected_new_tokens is not None,
         HAS_EXP_POS=step.expected_new_positions is not None,
     )
-    assert Counter.SLOTS_STAMPED == 7 and Counter.CONTENT_BYTES_STAMPED == 8

@@ -13,9 +13,14 @@ import triton.language as tl
 
 from kvcanary.kernels._common import fmix64, fold_sources, g_term, i64, u64
 from kvcanary.step import Step
-from kvcanary.violations import NUM_FIELDS, Counter
+from kvcanary.violations import NUM_FIELDS, Check, Counter
 
-_FLAGS = dict(POSITION=1, LINK=2, TOKEN=4, CONTENT=8, EMPTY=16, BAD_SLOT=32)
+# the kernels spell these as literals
+assert [int(c) for c in (Check.POSITION, Check.LINK, Check.TOKEN, Check.CONTENT, Check.EMPTY, Check.BAD_SLOT)] == [
+    1, 2, 4, 8, 16, 32]
+assert [int(c) for c in (Counter.STEPS, Counter.LINKS_CHECKED, Counter.LINKS_UNCHECKED, Counter.CONTENT_SLOTS_VERIFIED,
+                         Counter.CONTENT_BYTES_VERIFIED, Counter.VIOLATIONS)] == [0, 2, 3, 4, 6, 11]
+assert NUM_FIELDS == 14
 
 
 @triton.jit
@@ -160,4 +165,3 @@ def verify(stamps: torch.Tensor, layout_table: torch.Tensor, nsrc: int, bytes_pe
         HAS_STARTS=step.read_starts is not None, HAS_VALID=step.row_valid is not None,
         HAS_EXP=step.expected_tokens is not None, HAS_CONTENT=has_content, WCHUNK=64,
     )
-    assert ring.shape[1] == NUM_FIELDS and _FLAGS["BAD_SLOT"] == 32
