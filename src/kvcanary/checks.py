@@ -28,9 +28,10 @@ def new_stamps(num_slots: int, device: torch.device | str = "cpu") -> torch.Tens
 def _rows_of(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For counts ``[R]``: the row of each of ``sum(counts)`` items and each item's index in its row."""
     r = counts.shape[0]
-    row = torch.repeat_interleave(torch.arange(r, device=counts.device), counts)
-    first = torch.cumsum(counts, 0) - counts
-    idx = torch.arange(row.shape[0], device=counts.device) - first[row]
+    ends = torch.cumsum(counts, 0)
+    total = int(ends[-1]) if r else 0
+    row = torch.repeat_interleave(torch.arange(r, device=counts.device), counts, output_size=total)
+    idx = torch.arange(total, device=counts.device) - (ends - counts)[row]
     return row, idx
 
 

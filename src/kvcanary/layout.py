@@ -265,17 +265,21 @@ class KvLayout:
 
 @dataclass(frozen=True, eq=False)
 class _Run:
-    """Consecutive sources read by one gather: the same storage and geometry, evenly spaced
-    (a packed cache's per-layer K and V pages); ``view`` is ``[pages, page_size, sources, words]``
-    (a single source: ``[pages, page_size, rows, words]``)."""
+    """Consecutive sources read by one gather: the same storage and geometry, evenly spaced (a
+    packed cache's per-layer K and V pages), or one source. ``view`` is ``[bases, parts, words]``
+    over the storage's int64 words: row ``b`` holds the ``parts`` runs of ``words`` words that
+    start at word ``b`` (sources of the run, or rows of one source)."""
 
     view: torch.Tensor
     page_size: int
+    page_stride: int  # words
+    token_stride: int  # words
     keys: torch.Tensor  # the sources' word keys, concatenated in layout order
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        v = self.view[torch.div(slots, self.page_size, rounding_mode="floor"), slots % self.page_size]
-        return v.reshape(slots.shape[0], -1)
+        base = torch.div(slots, self.page_size, rounding_mode="floor") * self.page_stride
+        base += (slots % self.page_size) * self.token_stride
+        return self.view.index_select(0, base).reshape(slots.shape[0], -1)
 
 
 def _fusable(a: ByteSource, b: ByteSource) -> bool:
@@ -296,14 +300,14 @@ def _fuse_runs(sources: Sequence[ByteSource]) -> list[_Run]:
                 j += 1
         group = sources[i:j]
         keys = torch.cat([hashing.word_keys(i + k, s.read_words, s.tensor.device) for k, s in enumerate(group)])
+        w = group[0]._words  # [pages, page_size, read_rows, row_words]
+        st = w.stride()
         if len(group) == 1:
-            view = group[0]._words  # [pages, page_size, rows, words]
+            parts, part_stride = w.shape[2], st[2]
         else:
-            first = group[0]._words
-            st = first.stride()
-            view = first.as_strided((first.shape[0], first.shape[1], len(group), first.shape[3]),
-                                    (st[0], st[1], (group[1].offset - group[0].offset) // 8, 1),
-                                    first.storage_offset())
-        runs.append(_Run(view, group[0].page_size, keys))
+            parts, part_stride = len(group), (group[1].offset - group[0].offset) // 8
+        bases = (w.shape[0] - 1) * st[0] + (w.shape[1] - 1) * st[1] + 1
+        view = w.as_strided((bases, parts, w.shape[3]), (1, part_stride, 1), w.storage_offset())
+        runs.append(_Run(view, group[0].page_size, st[0], st[1], keys))
         i = j
     return runs
