@@ -130,6 +130,7 @@ def _transformers_run(args: argparse.Namespace) -> int:
         "wall_s_without_canary": round(t_off, 3),
         "wall_s_with_canary": round(t_on, 3),
         "overhead_pct": round(100 * (t_on - t_off) / t_off, 1),
+        "canary_time_s": round(st["canary_us"] / 1e6, 3),  # host time inside the canary's hooks
     }
     ok = same and st["violations"] == 0 and st["internal_errors"] == 0
     if args.inject:
