@@ -163,3 +163,22 @@ def test_version_check():
     check_version(transformers.__version__)
     with pytest.raises(UnsupportedError, match=r"transformers 4.57.1 is not supported .* expected transformers>=5.24,<5.25"):
         check_version("4.57.1")
+
+
+def test_token_book_streams_and_recycles_rows():
+    from kvcanary.engines.transformers import _TokenBook
+
+    class S:
+        def __init__(self, rid, init, gen):
+            self.request_id, self.initial_tokens, self.generated_tokens = rid, init, gen
+
+    book = _TokenBook()
+    a, b = S("a", [1, 2, 3], []), S("b", [9] * 300, [])
+    assert book.streams([a, b], [3, 300], 301)[0, :4].tolist() == [1, 2, 3, -1]
+    a.generated_tokens += [4, 5]
+    got = book.streams([a], [5], 6)
+    assert got.tolist() == [[1, 2, 3, 4, 5, -1]]
+    row_a = book.row["a"]
+    book.forget_except({"b"})
+    c = S("c", [7], [])
+    assert book.streams([c], [1], 2).tolist() == [[7, -1]] and book.row["c"] == row_a

@@ -35,9 +35,15 @@ def _rows_of(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return row, idx
 
 
+_BUMP_IDX: dict[tuple[object, ...], torch.Tensor] = {}
+
+
 def _bump(counters: torch.Tensor, *pairs: tuple[Counter, int | torch.Tensor]) -> None:
     """Add to several counters with one indexed add (the torch path runs where reading a count is cheap)."""
-    idx = torch.tensor([int(c) for c, _ in pairs], device=counters.device)
+    key = (counters.device, *(c for c, _ in pairs))
+    idx = _BUMP_IDX.get(key)
+    if idx is None:
+        idx = _BUMP_IDX[key] = torch.tensor([int(c) for c, _ in pairs], device=counters.device)
     vals = torch.tensor([int(v) for _, v in pairs], dtype=torch.int64, device=counters.device)
     counters.index_add_(0, idx, vals)
 
