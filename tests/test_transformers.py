@@ -182,3 +182,13 @@ def test_token_book_streams_and_recycles_rows():
     book.forget_except({"b"})
     c = S("c", [7], [])
     assert book.streams([c], [1], 2).tolist() == [[7, -1]] and book.row["c"] == row_a
+
+
+def test_demo_main_job_reports_a_clean_run_and_every_injected_detection(capsys):
+    from kvcanary.cli import main
+
+    assert main(["demo", "--layers", "2", "--inject", "--json"]) == 0
+    out = __import__("json").loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["violations"] == 0 and out["outputs_identical"] is True and out["slots_verified"] > 0
+    assert [f["fault"] for f in out["injected"]] == ["flip_shared_byte", "redirect_table_entry", "free_shared_block"]
+    assert all(f["detected"] and "request" in f["first_detection"] for f in out["injected"])
