@@ -192,3 +192,25 @@ def test_demo_main_job_reports_a_clean_run_and_every_injected_detection(capsys):
     assert out["violations"] == 0 and out["outputs_identical"] is True and out["slots_verified"] > 0
     assert [f["fault"] for f in out["injected"]] == ["flip_shared_byte", "redirect_table_entry", "free_shared_block"]
     assert all(f["detected"] and "request" in f["first_detection"] for f in out["injected"])
+
+
+def test_forked_requests_carry_stamps_to_copied_blocks(llama, monkeypatch):
+    from kvcanary.engines.transformers import Protection
+
+    gen, cb = cb_configs(max_new_tokens=8)
+    gen.num_return_sequences, gen.do_sample = 3, True
+    rng = random.Random(0)
+    ps = [[rng.randrange(1000) for _ in range(rng.randint(10, 30))] for _ in range(6)]
+
+    def run():
+        with torch.inference_mode(), protect(llama, CanaryConfig(mode="log", content_budget_bytes=None)) as guard:
+            out = llama.generate_batch(ps, generation_config=gen, continuous_batching_config=cb)
+        return out, guard
+
+    out, guard = run()
+    assert len(out) == 18 and guard.stats()["violations"] == 0
+    assert guard.stats()["slots_scrubbed"] > 0  # the copied blocks were verified on landing
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+    monkeypatch.setattr(Protection, "copied", lambda *a: None)  # without it, a fork reads unstamped copies
+    _, blind = run()
+    assert any(v.checks & (Check.EMPTY | Check.POSITION | Check.LINK) for v in blind.violations)

@@ -196,7 +196,7 @@ def stamp(
     exp_tok = tok_bad = epos_bad = None
     if step.expected_new_tokens is not None:
         exp_tok = step.expected_new_tokens.long()
-        tok_bad = writes & (tok != exp_tok)
+        tok_bad = writes & (exp_tok != -1) & (tok != exp_tok)  # -1: not known yet
         failed |= tok_bad
     if step.expected_new_positions is not None:
         epos_bad = writes & (pos != step.expected_new_positions.long())

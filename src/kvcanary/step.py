@@ -38,7 +38,8 @@ class Step:
     read_starts : int ``[R]`` first position the attention reads (sliding windows; default 0)
     row_valid : bool ``[R]`` False marks a padding row (default: all valid)
     expected_tokens : int ``[R, max_len]`` the request's real token at each position, -1 where unknown
-    expected_new_tokens, expected_new_positions : int ``[T]`` write-input assertion streams
+    expected_new_tokens, expected_new_positions : int ``[T]`` write-input assertion streams (a token of
+        -1 is not known yet and not checked)
     """
 
     cached_lens: torch.Tensor

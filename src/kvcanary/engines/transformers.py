@@ -195,6 +195,7 @@ class Protection:
         _ACTIVE.pop(id(self.model), None)
         if self.cache is not None:
             _BY_CACHE.pop(id(self.cache), None)
+            _BY_CACHE.pop(self.cache.cache_tensor.untyped_storage().data_ptr(), None)
         if not _ACTIVE:
             _uninstall()
 
@@ -235,6 +236,7 @@ class Protection:
             return
         self.cache = cache
         _BY_CACHE[id(cache)] = self
+        _BY_CACHE[cache.cache_tensor.untyped_storage().data_ptr()] = self  # allocators know only the tensor
         self.groups = {name: _Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
 
     def build_steps(self, runner: Any, batch: dict) -> dict[str, Step]:
@@ -327,6 +329,12 @@ class Protection:
                 for name, blocks in tables[rid].items() if blocks
             }
 
+    def copied(self, allocator: Any, source: list[int], dest: list[int]) -> None:
+        """A fork copied whole blocks inside the pool: their stamps follow, and the copies are verified."""
+        g = next((g for g in self.groups.values() if g.allocator is allocator), None)
+        if g is not None:
+            g.canary.import_stamps(g.block_slots(dest), g.canary.export_stamps(g.block_slots(source)))
+
     def restored(self, cache: Any, rids: list[str]) -> None:
         """Blocks of ``rids`` came back from the CPU tier: install their stamps and verify the bytes."""
         for rid in rids:
@@ -380,9 +388,12 @@ def _install() -> None:
     from transformers.generation.continuous_batching.model_runner import ModelRunner
     from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
 
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+
     _ORIGINAL["compute_batch"] = ModelRunner.compute_batch
     _ORIGINAL["offload"] = OffloadingManager._offload_to_cpu
     _ORIGINAL["restore"] = OffloadingManager.restore_scheduled_requests
+    _ORIGINAL["copy_blocks"] = CacheAllocator.copy_blocks
 
     def compute_batch(self: Any, model: Any, batch_data: dict) -> None:
         prot = _ACTIVE.get(id(model))
@@ -405,9 +416,16 @@ def _install() -> None:
         if prot is not None and rids:
             prot.restored(self.cache, rids)
 
+    def copy_blocks(self: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> None:
+        _ORIGINAL["copy_blocks"](self, source_block_ids, dest_block_ids)
+        prot = _BY_CACHE.get(self.cache_tensor.untyped_storage().data_ptr())
+        if prot is not None and source_block_ids:
+            prot.copied(self, source_block_ids, dest_block_ids)
+
     setattr(ModelRunner, "compute_batch", compute_batch)
     setattr(OffloadingManager, "_offload_to_cpu", offload)
     setattr(OffloadingManager, "restore_scheduled_requests", restore)
+    setattr(CacheAllocator, "copy_blocks", copy_blocks)
 
 
 def _uninstall() -> None:
@@ -416,6 +434,9 @@ def _uninstall() -> None:
     from transformers.generation.continuous_batching.model_runner import ModelRunner
     from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
 
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+
+    setattr(CacheAllocator, "copy_blocks", _ORIGINAL.pop("copy_blocks"))
     setattr(ModelRunner, "compute_batch", _ORIGINAL.pop("compute_batch"))
     setattr(OffloadingManager, "_offload_to_cpu", _ORIGINAL.pop("offload"))
     setattr(OffloadingManager, "restore_scheduled_requests", _ORIGINAL.pop("restore"))

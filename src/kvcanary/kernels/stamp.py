@@ -97,7 +97,7 @@ def _write_kernel(
     etok = t.to(tl.int64) * 0 - 1
     if HAS_EXP_TOK:
         etok = tl.load(exp_tok + t, mask=m, other=-1).to(tl.int64)
-        checks |= tl.where(writes & (tok != etok), 256, 0)
+        checks |= tl.where(writes & (etok != -1) & (tok != etok), 256, 0)
     if HAS_EXP_POS:
         epos = tl.load(exp_pos + t, mask=m, other=0).to(tl.int64)
         checks |= tl.where(writes & (pos != epos), 512, 0)
