@@ -68,6 +68,8 @@ def random_step(
         new_slots=torch.tensor(slots, dtype=torch.int64),
         row_valid=torch.arange(rows) < len(lens),
         expected_tokens=exp,
+        # the write-input stream: mostly right, some unknown (-1), a few wrong
+        expected_new_tokens=torch.tensor([rng.choice([t] * 8 + [-1, t + 1]) for t in toks], dtype=torch.int64),
         read_starts=None if window is None else (cached - window).clamp_min(0),
         **kw,
     )
