@@ -166,13 +166,13 @@ def test_version_check():
 
 
 def test_token_book_streams_and_recycles_rows():
-    from kvcanary.engines.transformers import _TokenBook
+    from kvcanary.engines.token_book import TokenBook
 
     class S:
         def __init__(self, rid, init, gen):
             self.request_id, self.initial_tokens, self.generated_tokens = rid, init, gen
 
-    book = _TokenBook()
+    book = TokenBook()
     a, b = S("a", [1, 2, 3], []), S("b", [9] * 300, [])
     assert book.streams([a, b], [3, 300], 301)[0, :4].tolist() == [1, 2, 3, -1]
     a.generated_tokens += [4, 5]

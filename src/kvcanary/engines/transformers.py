@@ -26,6 +26,7 @@ import torch
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.hf_models import cb_configs, tiny_model
+from kvcanary.engines.token_book import TokenBook
 from kvcanary.errors import UnsupportedError
 from kvcanary.layout import ByteSource, KvLayout
 from kvcanary.step import Step
@@ -93,65 +94,6 @@ class _Group:
         return (b[:, None] * self.tpp + torch.arange(self.tpp)).reshape(-1)
 
 
-class _TokenBook:
-    """Every live request's real token stream, in one growing ``[rows, capacity]`` tensor (-1 pad).
-
-    Each forward appends only the tokens not seen before, with one tensor build and one indexed
-    write; rows of requests that left the cache are recycled.
-    """
-
-    def __init__(self) -> None:
-        self.buf = torch.full((16, 256), -1, dtype=torch.int64)
-        self.row: dict[str, int] = {}
-        self.have: dict[str, int] = {}
-        self.calls = 0
-
-    def streams(self, states: list[Any], upto: list[int], width: int) -> torch.Tensor:
-        """int64 ``[len(states), width]``: request ``i``'s tokens ``[0, upto[i])``, then -1."""
-        rows: list[int] = []
-        vals: list[int] = []
-        rr: list[int] = []
-        pp: list[int] = []
-        for st, u in zip(states, upto):
-            rid = st.request_id
-            r = self.row.get(rid)
-            if r is None:
-                r = self.row[rid] = self._free_row()
-                self.have[rid] = 0
-            h = self.have[rid]
-            if h < u:
-                init, gen = st.initial_tokens, st.generated_tokens
-                new = init[h:u] + gen[max(0, h - len(init)) : max(0, u - len(init))]
-                vals += new
-                rr += [r] * len(new)
-                pp += range(h, h + len(new))
-                self.have[rid] = h + len(new)
-            rows.append(r)
-        need = max(upto + [width])
-        if need > self.buf.shape[1]:
-            grown = torch.full((self.buf.shape[0], 2 * need), -1, dtype=torch.int64)
-            grown[:, : self.buf.shape[1]] = self.buf
-            self.buf = grown
-        if vals:
-            self.buf[torch.tensor(rr), torch.tensor(pp)] = torch.tensor(vals, dtype=torch.int64)
-        out = self.buf[torch.tensor(rows), :width]
-        return torch.where(torch.arange(width) < torch.tensor(upto)[:, None], out, -1)
-
-    def _free_row(self) -> int:
-        used = set(self.row.values())
-        r = next((i for i in range(self.buf.shape[0]) if i not in used), None)
-        if r is None:
-            r = self.buf.shape[0]
-            self.buf = torch.cat([self.buf, torch.full_like(self.buf, -1)])
-        self.buf[r] = -1
-        return r
-
-    def forget_except(self, live: set[str]) -> None:
-        """Drop the streams of requests that are no longer live."""
-        for rid in [k for k in self.row if k not in live]:
-            del self.row[rid], self.have[rid]
-
-
 class Protection:
     """The canaries of one protected model; a context manager that installs and removes the hooks.
 
@@ -178,7 +120,7 @@ class Protection:
         self.forwards = 0
         self.seconds = 0.0  # host time spent in the canary's hooks
         self.internal_errors = 0
-        self._book = _TokenBook()
+        self._book = TokenBook()
         self._offloaded: dict[str, dict[str, torch.Tensor]] = {}
         self.rows: dict[int, list[str]] = {}  # forward -> request id of each step row
         self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
