@@ -35,6 +35,23 @@ def _rows_of(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return row, idx
 
 
+def read_counts(step: Step) -> torch.Tensor:
+    """Slots each row reads this step, int64 ``[R]`` (0 for padding rows)."""
+    start = step.starts()
+    return torch.where(step.valid_rows(), step.cached_lens.long() - start, 0).clamp_min(0)
+
+
+def row_seeds(stamps: torch.Tensor, step: Step) -> torch.Tensor:
+    """Where each row's chain of new tokens starts, int64 ``[R]``: the link stamped at position
+    ``cached_len - 1`` as it was before this step's writes, the seed at a sequence head, and 0 for an
+    unreadable predecessor (already reported by verify)."""
+    cached = step.cached_lens.long()
+    pslot = step.lookup(torch.arange(step.num_rows, device=cached.device), cached - 1)
+    ok = (cached > 0) & (pslot >= 0) & (pslot < stamps.shape[0])
+    pred_link = torch.where(ok, stamps[torch.where(ok, pslot, 0), LINK], 0)
+    return torch.where(cached > 0, pred_link, _SEED)
+
+
 _BUMP_IDX: dict[tuple[object, ...], torch.Tensor] = {}
 
 
@@ -81,10 +98,8 @@ def verify(
     content_slots : content checks per step (``None``: every read slot)
     """
     num_slots = stamps.shape[0]
-    valid = step.valid_rows()
     start = step.starts()
-    counts = torch.where(valid, step.cached_lens.long() - start, 0).clamp_min(0)
-    row, idx = _rows_of(counts)
+    row, idx = _rows_of(read_counts(step))
     pos = start[row] + idx
     slot = step.lookup(row, pos)
     sl = slot.clamp(0, num_slots - 1)
@@ -164,7 +179,6 @@ def stamp(
     stamps : int64 ``[num_slots, 4]``, updated in place
     counters : int64 ``[NUM_COUNTERS]``, updated in place
     """
-    num_slots = stamps.shape[0]
     offs = step.new_offsets.long()
     counts = offs[1:] - offs[:-1]
     row, j = _rows_of(counts)
@@ -173,12 +187,7 @@ def stamp(
     writes = (slot >= 0) & step.valid_rows()[row]
     exp_pos = cached[row] + j
 
-    pslot = step.lookup(torch.arange(step.num_rows, device=offs.device), cached - 1)
-    pslot_ok = (cached > 0) & (pslot >= 0) & (pslot < num_slots)
-    # chains start from the stamps as they were before this step's writes; an unreadable
-    # predecessor (already reported by verify) seeds with 0
-    pred_link = torch.where(pslot_ok, stamps[torch.where(pslot_ok, pslot, 0), LINK], 0)
-    seed = torch.where(cached > 0, pred_link, _SEED)[row]
+    seed = row_seeds(stamps, step)[row]
     head = j == 0
     g = hashing.g_term(tok, pos)
     # every token of a row advances its chain, padding ones too (a window engine sends the oldest

@@ -106,11 +106,16 @@ class ByteSource:
         assert self.read_bytes is not None
         return self.read_bytes // 8
 
-    def _word_view(self) -> torch.Tensor:
+    def _storage_bytes(self) -> torch.Tensor:
+        """The whole storage under the engine's tensor as a flat uint8 tensor (no copy)."""
         storage = self.tensor.untyped_storage()
         flat = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
-        flat.set_(storage, 0, (storage.nbytes(),), (1,))
-        usable = storage.nbytes() // 8 * 8
+        return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+    def _word_view(self) -> torch.Tensor:
+        flat = self._storage_bytes()
+        nbytes = flat.shape[0]
+        usable = nbytes // 8 * 8
         words = flat[:usable].view(torch.int64)
         rw = min(self.read_bytes or 0, self.row_bytes) // 8
         shape = (self.num_pages, self.page_size, self.read_rows, rw)
@@ -119,20 +124,13 @@ class ByteSource:
         if self.offset < 0 or last > usable:
             raise LayoutError(
                 f"source {self.name!r}: described bytes end at {last}, beyond the tensor's storage "
-                f"of {storage.nbytes()} bytes"
+                f"of {nbytes} bytes"
             )
         return words.as_strided(shape, strides, self.offset // 8)
 
-    def gather_words(self, slots: torch.Tensor) -> torch.Tensor:
-        """Read the fingerprinted words of ``slots`` (int64 ``[n]``) as int64 ``[n, read_words]``."""
-        v = self._words[torch.div(slots, self.page_size, rounding_mode="floor"), slots % self.page_size]
-        return v.reshape(slots.shape[0], -1)
-
     def slot_bytes(self, slot: int) -> torch.Tensor:
         """A writable uint8 view ``[rows, row_bytes]`` of one slot's bytes (fault injection, tests)."""
-        storage = self.tensor.untyped_storage()
-        flat = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
-        flat.set_(storage, 0, (storage.nbytes(),), (1,))
+        flat = self._storage_bytes()
         page, off = divmod(slot, self.page_size)
         base = self.offset + page * self.page_stride + off * self.token_stride
         return flat.as_strided((self.rows, self.row_bytes), (self.row_stride, 1), base)

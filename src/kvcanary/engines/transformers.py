@@ -18,6 +18,7 @@ transformers is imported inside functions only; ``import kvcanary`` never needs 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ from kvcanary.violations import Violation
 
 __all__ = ["Protection", "protect", "check_version", "group_layout", "tiny_model", "cb_configs"]
 
+log = logging.getLogger("kvcanary")
 SUPPORTED = ((5, 24), (5, 25))  # [low, high) of (major, minor), the range the tests run on
 SUPPORTED_TEXT = ">=5.24,<5.25"
 
@@ -136,8 +138,7 @@ class Protection:
     def __exit__(self, *exc: object) -> None:
         _ACTIVE.pop(id(self.model), None)
         if self.cache is not None:
-            _BY_CACHE.pop(id(self.cache), None)
-            _BY_CACHE.pop(self.cache.cache_tensor.untyped_storage().data_ptr(), None)
+            _BY_CACHE.pop(_pool_key(self.cache.cache_tensor), None)
         if not _ACTIVE:
             _uninstall()
 
@@ -177,8 +178,7 @@ class Protection:
         if self.cache is cache:
             return
         self.cache = cache
-        _BY_CACHE[id(cache)] = self
-        _BY_CACHE[cache.cache_tensor.untyped_storage().data_ptr()] = self  # allocators know only the tensor
+        _BY_CACHE[_pool_key(cache.cache_tensor)] = self
         self.groups = {name: _Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
 
     def build_steps(self, runner: Any, batch: dict) -> dict[str, Step]:
@@ -241,7 +241,10 @@ class Protection:
             self.rows[self.forwards] = [fs.state.request_id for fs in runner.inputs_and_outputs.requests_in_batch]
             self.rows.pop(self.forwards - self.config.history, None)
         except Exception:
-            self._internal("building steps")
+            if self.config.mode == "raise":
+                raise
+            self.internal_errors += 1
+            log.exception("kvcanary internal error while building steps (counted, not raised)")
             return None
         for name, step in steps.items():
             self.groups[name].canary.before_forward(step)
@@ -290,15 +293,6 @@ class Protection:
                 g.canary.import_stamps(g.block_slots(blocks[:n]), stamps[: n * g.tpp])
         self.poll()
 
-    def _internal(self, what: str) -> None:
-        if self.config.mode == "raise":
-            raise
-        self.internal_errors += 1
-        import logging
-
-        logging.getLogger("kvcanary").exception("kvcanary internal error while %s (counted, not raised)", what)
-        return None
-
 
 def _small_ops_threads(_: object) -> int:
     """Run the canary's many small CPU ops on one intra-op thread; returns the count to restore.
@@ -320,7 +314,11 @@ def protect(model: Any, config: CanaryConfig | None = None, **kw: Any) -> Protec
 # ---- class-level patches (the CB processor is built inside its worker thread) ---------------
 
 _ACTIVE: dict[int, Protection] = {}
-_BY_CACHE: dict[int, Protection] = {}
+_BY_CACHE: dict[int, Protection] = {}  # by the KV pool's storage, which the cache and its allocators share
+
+
+def _pool_key(cache_tensor: torch.Tensor) -> int:
+    return int(cache_tensor.untyped_storage().data_ptr())
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
 
 
@@ -346,7 +344,7 @@ def _install() -> None:
 
     def offload(self: Any, victims: list, victim_block_tables: dict) -> set:
         rids = _ORIGINAL["offload"](self, victims, victim_block_tables)
-        prot = _BY_CACHE.get(id(self.cache))
+        prot = _BY_CACHE.get(_pool_key(self.cache.cache_tensor))
         if prot is not None and rids:
             prot.offloaded(self.cache, rids, victim_block_tables)
         return rids  # type: ignore[no-any-return]
@@ -354,13 +352,13 @@ def _install() -> None:
     def restore(self: Any, requests_in_batch: list) -> None:
         rids = [fs.state.request_id for fs in requests_in_batch if fs.state.is_cpu_offloaded]
         _ORIGINAL["restore"](self, requests_in_batch)
-        prot = _BY_CACHE.get(id(self.cache))
+        prot = _BY_CACHE.get(_pool_key(self.cache.cache_tensor))
         if prot is not None and rids:
             prot.restored(self.cache, rids)
 
     def copy_blocks(self: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> None:
         _ORIGINAL["copy_blocks"](self, source_block_ids, dest_block_ids)
-        prot = _BY_CACHE.get(self.cache_tensor.untyped_storage().data_ptr())
+        prot = _BY_CACHE.get(_pool_key(self.cache_tensor))
         if prot is not None and source_block_ids:
             prot.copied(self, source_block_ids, dest_block_ids)
 

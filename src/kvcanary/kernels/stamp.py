@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcanary import hashing
+from kvcanary.checks import row_seeds
 from kvcanary.kernels._common import g_term, i64, u64
 from kvcanary.kernels.content import content as content_op
 from kvcanary.kernels.verify import lookup, record
@@ -129,11 +129,7 @@ def stamp(stamps: torch.Tensor, layout_table: torch.Tensor, nsrc: int, bytes_per
     counts = offs[1:] - offs[:-1]
     row_of = torch.repeat_interleave(torch.arange(r, device=dev), counts, output_size=n)
     j_of = torch.arange(n, device=dev) - offs[:-1][row_of]
-    cached = step.cached_lens.long()
-    pslot = step.lookup(torch.arange(r, device=dev), cached - 1)
-    pslot_ok = (cached > 0) & (pslot >= 0) & (pslot < stamps.shape[0])
-    pred_link = torch.where(pslot_ok, stamps[torch.where(pslot_ok, pslot, 0), 2], 0)
-    seeds = torch.where(cached > 0, pred_link, hashing.signed(hashing.LINK_SEED))
+    seeds = row_seeds(stamps, step)
     valid = step.valid_rows()
     contents = torch.zeros(n, dtype=torch.int64, device=dev)
     if nsrc:

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcanary.kernels._common import fmix64, fold_sources, g_term, i64, u64
+from kvcanary.checks import read_counts
+from kvcanary.kernels._common import fold_sources, g_term, i64, u64
 from kvcanary.step import Step
 from kvcanary.violations import NUM_FIELDS, Check, Counter
 
@@ -135,9 +136,7 @@ def verify(stamps: torch.Tensor, layout_table: torch.Tensor, nsrc: int, bytes_pe
     """
     r = step.num_rows
     dev = stamps.device
-    valid = step.valid_rows()
-    start = step.starts()
-    counts = torch.where(valid, step.cached_lens.long() - start, torch.zeros_like(start)).clamp_min(0)
+    counts = read_counts(step)
     n = counts.sum()
     counters[Counter.SLOTS_VERIFIED] += n
     has_content = nsrc > 0
