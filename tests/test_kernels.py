@@ -75,7 +75,7 @@ CASES = [(bs, kind, lay) for bs in (1, 16, 64) for kind in ("block", "token")
 @pytest.mark.parametrize("bs,kind,lay", CASES)
 def test_verify_and_stamp_match_torch(bs, kind, lay):
     for seed in range(int(os.environ.get("KVC_KERNEL_SEEDS", 2))):
-        rng = random.Random(hash((bs, kind, lay, seed)) & 0xFFFF)
+        rng = random.Random(f"{bs}-{kind}-{lay}-{seed}")  # str seeds are stable across processes
         nb = max(8, 400 // bs)
         layout = make_layout(lay, nb, bs, seed)
         table = source_table(layout, DEV)

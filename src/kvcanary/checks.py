@@ -102,8 +102,8 @@ def verify(
     row, idx = _rows_of(read_counts(step))
     pos = start[row] + idx
     slot = step.lookup(row, pos)
-    sl = slot.clamp(0, num_slots - 1)
-    bad = sl != slot
+    bad = slot.clamp(0, num_slots - 1) != slot
+    sl = torch.where(bad, 0, slot)  # a bad slot's record shows slot 0's stamp, as the kernels do
     s_tok, s_pos, s_link, s_cont = stamps[sl].unbind(1)
     empty = (s_pos == -1) & ~bad
     readable = ~(bad | empty)
