@@ -38,6 +38,10 @@ def make_layout(kind: str, nb: int, bs: int, seed: int) -> KvLayout:
         return KvLayout((ByteSource.from_tensor("k", rnd(nb, 2, bs, 8).permute(0, 2, 1, 3), page_size=bs),))
     if kind == "partial":
         return KvLayout((ByteSource.from_tensor("k", rnd(nb, bs, 4, 16), page_size=bs, read_bytes=32),))
+    if kind == "mixed":  # page sizes 1 and bs; rows of 12, 80 (two tiles) and 2 x 16 words: partial tiles
+        return KvLayout((ByteSource.from_tensor("flat", rnd(nb * bs, 48)),
+                         ByteSource.from_tensor("wide", rnd(nb, bs, 320), page_size=bs),
+                         ByteSource.from_tensor("heads", rnd(nb, 2, bs, 64).permute(0, 2, 1, 3), page_size=bs)))
     return KvLayout()  # metadata only
 
 
@@ -69,7 +73,7 @@ def corrupt(rng, stamps, layout, step):
 
 
 CASES = [(bs, kind, lay) for bs in (1, 16, 64) for kind in ("block", "token")
-         for lay in ("paged", "packed", "head_major", "partial", "none")]
+         for lay in ("paged", "packed", "head_major", "partial", "mixed", "none")]
 
 
 @pytest.mark.parametrize("bs,kind,lay", CASES)
@@ -79,8 +83,7 @@ def test_verify_and_stamp_match_torch(bs, kind, lay):
         nb = max(8, 400 // bs)
         layout = make_layout(lay, nb, bs, seed)
         table = source_table(layout, DEV)
-        ns, bps = len(layout.sources), layout.content_bytes_per_slot
-        long_row = rng.randint(70, 140)  # more entries than one program's block of 64
+        long_row = rng.randint(70, 140)  # more entries than one program's block of 32
         lens = [(long_row, rng.randint(0, 3))] + [(rng.randint(0, 20), rng.randint(0, 40)) for _ in range(2)]
         step, stoks = random_step(rng, nb * bs, bs, lens, kind, rng.randint(0, 2), rng.random() < 0.5,
                                   rng.choice([None, 5]))
@@ -91,7 +94,7 @@ def test_verify_and_stamp_match_torch(bs, kind, lay):
         c_t, c_k = _zeros(), _zeros()
         ring = torch.zeros(512, NUM_FIELDS, dtype=torch.int64, device=DEV)
         assert checks.stamp(st_t, layout, pre, c_t, 0).shape[0] == 0
-        kstamp.stamp(st_k, table, ns, bps, pre, c_k, ring, block=32)  # several scan blocks and carries
+        kstamp.stamp(st_k, table, pre, c_k, ring, block=32)  # several scan blocks and carries
         assert torch.equal(st_t, st_k), first_mismatch(st_t, st_k)
         assert torch.equal(c_t, c_k)
         corrupt(rng, st_t, layout, step)
@@ -101,29 +104,31 @@ def test_verify_and_stamp_match_torch(bs, kind, lay):
             cur_t = torch.tensor([rng.randrange(50)], device=DEV)
             cur_k = cur_t.clone()
             rows_t = checks.verify(st_t, layout, step, c_t, cur_t, budget, 0)
-            kverify.verify(st_k, table, ns, bps, step, c_k, cur_k, budget, ring)
+            kverify.verify(st_k, table, step, c_k, cur_k, budget, ring, block=rng.choice([None, 32]))
             c_t[Counter.VIOLATIONS] += rows_t.shape[0]
             assert sorted(map(tuple, rows_t.cpu().tolist())) == rows_of(ring, c_k)
             assert torch.equal(c_t, c_k) and torch.equal(cur_t, cur_k)
         if rng.random() < 0.5 and step.num_new:
             step.new_positions[rng.randrange(step.num_new)] += 1
+        if rng.random() < 0.5 and step.num_new:  # a write outside the pool: reported, never stamped
+            step.new_slots[rng.randrange(step.num_new)] = nb * bs + rng.randrange(3)
         c_t, c_k, ring = _zeros(), _zeros(), ring.zero_()
         rows_t = checks.stamp(st_t, layout, step, c_t, 0)
-        kstamp.stamp(st_k, table, ns, bps, step, c_k, ring, block=32)
+        kstamp.stamp(st_k, table, step, c_k, ring, block=rng.choice([32, 256]))
         c_t[Counter.VIOLATIONS] += rows_t.shape[0]
         assert torch.equal(st_t, st_k), first_mismatch(st_t, st_k)
         assert sorted(map(tuple, rows_t.cpu().tolist())) == rows_of(ring, c_k) and torch.equal(c_t, c_k)
 
 
-@pytest.mark.parametrize("lay", ["paged", "packed", "head_major", "partial"])
+@pytest.mark.parametrize("lay", ["paged", "packed", "head_major", "partial", "mixed"])
 def test_content_matches_fingerprint(lay):
     layout = make_layout(lay, 9, 16, 3)
     slots = torch.randperm(9 * 16, device=DEV)[:37]  # a prime count
-    slots[5] = -1
+    slots[5], slots[6] = -1, 9 * 16  # outside the pool: 0
     out = torch.empty(37, dtype=torch.int64, device=DEV)
-    content(slots, source_table(layout, DEV), len(layout.sources), out)
-    want = layout.fingerprint(slots.clamp_min(0))
-    want[5] = 0
+    content(slots, source_table(layout, DEV), 9 * 16, out)
+    want = layout.fingerprint(slots.clamp(0, 9 * 16 - 1))
+    want[5] = want[6] = 0
     assert torch.equal(out, want), first_mismatch(out, want)
 
 

@@ -132,8 +132,8 @@ class Canary:
         if self.backend == "triton":
             from kvcanary.kernels import verify
 
-            verify.verify(self.stamps, self._src_table, len(self.layout.sources), self.layout.content_bytes_per_slot,
-                          step, self.ring.counters, self.cursor, self.content_slots, self.ring.rows)
+            verify.verify(self.stamps, self._src_table, step, self.ring.counters, self.cursor, self.content_slots,
+                          self.ring.rows)
             return
         rows = checks.verify(self.stamps, self.layout, step, self.ring.counters, self.cursor,
                              self.content_slots, self.step_id)
@@ -146,8 +146,7 @@ class Canary:
         if self.backend == "triton":
             from kvcanary.kernels import stamp
 
-            stamp.stamp(self.stamps, self._src_table, len(self.layout.sources), self.layout.content_bytes_per_slot,
-                        step, self.ring.counters, self.ring.rows)
+            stamp.stamp(self.stamps, self._src_table, step, self.ring.counters, self.ring.rows)
         else:
             rows = checks.stamp(self.stamps, self.layout, step, self.ring.counters, self.step_id)
             self.ring.append(rows)

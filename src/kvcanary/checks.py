@@ -185,6 +185,7 @@ def stamp(
     tok, pos, slot = step.new_tokens.long(), step.new_positions.long(), step.new_slots.long()
     cached = step.cached_lens.long()
     writes = (slot >= 0) & step.valid_rows()[row]
+    stamped = writes & (slot < stamps.shape[0])  # a slot outside the pool is reported, not stamped
     exp_pos = cached[row] + j
 
     seed = row_seeds(stamps, step)[row]
@@ -201,7 +202,8 @@ def stamp(
     table_slot = step.lookup(row, exp_pos)
     wpos_bad = writes & (pos != exp_pos)
     wtab_bad = writes & (table_slot != slot)
-    failed = wpos_bad | wtab_bad
+    out_bad = writes & ~stamped
+    failed = wpos_bad | wtab_bad | out_bad
     exp_tok = tok_bad = epos_bad = None
     if step.expected_new_tokens is not None:
         exp_tok = step.expected_new_tokens.long()
@@ -211,7 +213,7 @@ def stamp(
         epos_bad = writes & (pos != step.expected_new_positions.long())
         failed |= epos_bad
 
-    w = writes.nonzero().squeeze(1)
+    w = stamped.nonzero().squeeze(1)
     ws = slot[w]
     content = layout.fingerprint(ws)
     stamps[ws] = torch.stack([tok[w], pos[w], link[w], content], dim=1)
@@ -219,7 +221,8 @@ def stamp(
           (Counter.CONTENT_BYTES_STAMPED, w.shape[0] * layout.content_bytes_per_slot))
     if not bool(failed.any()):
         return torch.empty(0, NUM_FIELDS, dtype=torch.int64, device=tok.device)
-    checks = wpos_bad * int(Check.WRITE_POSITION) + wtab_bad * int(Check.WRITE_TABLE)
+    checks = (wpos_bad * int(Check.WRITE_POSITION) + wtab_bad * int(Check.WRITE_TABLE)
+              + out_bad * int(Check.BAD_SLOT))
     if tok_bad is not None:
         checks += tok_bad * int(Check.WRITE_INPUT_TOKEN)
     if epos_bad is not None:

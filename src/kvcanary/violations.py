@@ -21,7 +21,7 @@ class Check(enum.IntFlag):
     TOKEN = 4  # the slot holds another token than the request has at that position
     CONTENT = 8  # the slot's KV bytes changed since they were stamped
     EMPTY = 16  # the slot was never stamped (or was released) but is read
-    BAD_SLOT = 32  # the table points outside the pool
+    BAD_SLOT = 32  # a table entry (verify) or a written slot (write) outside the pool
     WRITE_POSITION = 64  # a new token's position is not cached_len + its index in the row
     WRITE_TABLE = 128  # a new token was written to another slot than the table holds for its position
     WRITE_INPUT_TOKEN = 256  # a new token differs from the expected input stream

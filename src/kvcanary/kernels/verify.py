@@ -2,7 +2,8 @@
 
 Same results as :func:`kvcanary.checks.verify` (stamps untouched, same counters, same set of
 violation rows). Grid: one program per (row, block of positions); programs past a row's read
-range exit at once. Graph-safe: no host sync, static grid from tensor shapes only.
+range exit at once. Graph-safe: no host sync, static grid from tensor shapes only. One launch,
+plus a one-program prologue that places the rotating content window when a budget is set.
 """
 
 from __future__ import annotations
@@ -11,17 +12,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcanary.checks import read_counts
-from kvcanary.kernels._common import fold_sources, g_term, i64, u64
+from kvcanary.kernels._common import SourceTable, fold_sources, g_term, i64, u64
+from kvcanary.kernels.content import content_block
 from kvcanary.step import Step
 from kvcanary.violations import NUM_FIELDS, Check, Counter
 
 # the kernels spell these as literals
 assert [int(c) for c in (Check.POSITION, Check.LINK, Check.TOKEN, Check.CONTENT, Check.EMPTY, Check.BAD_SLOT)] == [
     1, 2, 4, 8, 16, 32]
-assert [int(c) for c in (Counter.STEPS, Counter.LINKS_CHECKED, Counter.LINKS_UNCHECKED, Counter.CONTENT_SLOTS_VERIFIED,
-                         Counter.CONTENT_BYTES_VERIFIED, Counter.VIOLATIONS)] == [0, 2, 3, 4, 6, 11]
+assert [int(c) for c in (Counter.STEPS, Counter.SLOTS_VERIFIED, Counter.LINKS_CHECKED, Counter.LINKS_UNCHECKED,
+                         Counter.CONTENT_SLOTS_VERIFIED, Counter.CONTENT_SLOTS_SKIPPED,
+                         Counter.CONTENT_BYTES_VERIFIED, Counter.VIOLATIONS)] == [0, 1, 2, 3, 4, 5, 6, 11]
 assert NUM_FIELDS == 14
+META_BLOCK, META_WARPS = 1024, 8  # positions and warps per program without content (4 positions per lane)
+ROWS_PER_PASS = 1024  # rows the window prologue sums at once
 
 
 @triton.jit
@@ -37,6 +41,13 @@ def lookup(table, trow, p, width, span, bs, BLOCK_TABLE: tl.constexpr):
 
 
 @triton.jit
+def bump(counter, v):
+    """Add ``v`` to one device counter (no atomic when it is 0)."""
+    if v != 0:
+        tl.atomic_add(counter, v)
+
+
+@triton.jit
 def record(ring, counters, cap, hit, fields: tl.constexpr, cols):
     """Append one ring row per ``hit`` lane: reserve with one atomic, place by prefix sum."""
     h = hit.to(tl.int64)
@@ -49,16 +60,8 @@ def record(ring, counters, cap, hit, fields: tl.constexpr, cols):
 
 
 @triton.jit
-def _verify_kernel(
-    stamps, num_slots, table, width, span, bs, table_rows, cached, starts, valid, exp_tok, exp_w,
-    first, meta, src, nsrc, bytes_per_slot, counters, ring, cap,
-    BLOCK: tl.constexpr, BLOCK_TABLE: tl.constexpr, HAS_TROWS: tl.constexpr, HAS_STARTS: tl.constexpr,
-    HAS_VALID: tl.constexpr, HAS_EXP: tl.constexpr, HAS_CONTENT: tl.constexpr, WCHUNK: tl.constexpr,
-):
-    """Per read entry (row r, position p): POSITION, LINK (stored link == B*pred.link + g(token, pos)),
-    TOKEN, CONTENT (within the rotating budget window), EMPTY, BAD_SLOT."""
-    r = tl.program_id(0)
-    blk = tl.program_id(1)
+def read_range(r, cached, starts, valid, HAS_STARTS: tl.constexpr, HAS_VALID: tl.constexpr):
+    """First position and count of the slots row ``r`` reads (= :func:`kvcanary.checks.read_counts`)."""
     c = tl.load(cached + r).to(tl.int64)
     st0 = c * 0
     if HAS_STARTS:
@@ -66,6 +69,43 @@ def _verify_kernel(
     cnt = tl.maximum(c - st0, 0)
     if HAS_VALID:
         cnt = tl.where(tl.load(valid + r) != 0, cnt, 0)
+    return st0, cnt
+
+
+@triton.jit
+def _window_kernel(cached, starts, valid, rows, first, meta, cursor, counters, content_slots,
+                   RB: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_VALID: tl.constexpr):
+    """One program: each row's first entry index, and the window ``[cur, cur + k)`` of ``n`` entries
+    that get content checks (``meta = (n, cur, k)``); advances the cursor by ``k``."""
+    total = tl.load(cursor) * 0
+    for r0 in range(0, rows, RB):
+        r = r0 + tl.arange(0, RB)
+        m = r < rows
+        _, cnt = read_range(tl.where(m, r, 0), cached, starts, valid, HAS_STARTS, HAS_VALID)
+        cnt = tl.where(m, cnt, 0)
+        tl.store(first + r, total + tl.cumsum(cnt, axis=0) - cnt, mask=m)
+        total += tl.sum(cnt, axis=0)
+    k = tl.minimum(total, content_slots)
+    tl.store(meta + 0, total)
+    tl.store(meta + 1, tl.load(cursor) % tl.maximum(total, 1))
+    tl.store(meta + 2, k)
+    tl.store(cursor, tl.load(cursor) + k)
+    tl.store(counters + 5, tl.load(counters + 5) + total - k)
+
+
+@triton.jit
+def _verify_kernel(
+    stamps, num_slots, table, width, span, bs, table_rows, cached, starts, valid, exp_tok, exp_w,
+    first, meta, cursor, src, nsrc, ntiles, bytes_per_slot, counters, ring, cap,
+    BLOCK: tl.constexpr, BLOCK_TABLE: tl.constexpr, HAS_TROWS: tl.constexpr, HAS_STARTS: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_EXP: tl.constexpr, HAS_CONTENT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr, SAME_PS: tl.constexpr, EVEN: tl.constexpr,
+):
+    """Per read entry (row r, position p): POSITION, LINK (stored link == B*pred.link + g(token, pos)),
+    TOKEN, CONTENT (every entry, or those in the window), EMPTY, BAD_SLOT."""
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    st0, cnt = read_range(r, cached, starts, valid, HAS_STARTS, HAS_VALID)
     if blk * BLOCK >= cnt:
         return
     idx = blk * BLOCK + tl.arange(0, BLOCK)
@@ -100,21 +140,23 @@ def _verify_kernel(
         etok = tl.load(exp_tok + r * exp_w + tl.where(inside, p, 0), mask=m & inside, other=-1).to(tl.int64)
         checks |= tl.where(readable & (etok != -1) & (s_tok != etok), 4, 0)
     exp_cont = p * 0
-    nsel = 0
     if HAS_CONTENT:
-        n = tl.load(meta + 0)
-        cur = tl.load(meta + 1)
-        k = tl.load(meta + 2)
-        e = tl.load(first + r) + idx
-        sel = m & readable & (((e - cur) % tl.maximum(n, 1) + n) % tl.maximum(n, 1) < k)
-        fp = i64(fold_sources(sl, sel, src, nsrc, WCHUNK))
+        sel = m & readable
+        if HAS_WINDOW:
+            n = tl.maximum(tl.load(meta + 0), 1)
+            e = tl.load(first + r) + idx
+            sel &= ((e - tl.load(meta + 1)) % n + n) % n < tl.load(meta + 2)
+        else:
+            bump(cursor, tl.sum(m.to(tl.int64), axis=0))  # every entry is in the window
+        fp = i64(fold_sources(sl, sel, src, nsrc, ntiles, CHUNK, SAME_PS, EVEN))
         exp_cont = tl.where(sel, fp, 0)
         checks |= tl.where(sel & (s_cont != exp_cont), 8, 0)
         nsel = tl.sum(sel.to(tl.int64), axis=0)
-        tl.atomic_add(counters + 4, nsel)
-        tl.atomic_add(counters + 6, nsel * bytes_per_slot)
-    tl.atomic_add(counters + 2, tl.sum((m & linked).to(tl.int64), axis=0))
-    tl.atomic_add(counters + 3, tl.sum((m & readable & ~linked).to(tl.int64), axis=0))
+        bump(counters + 4, nsel)
+        bump(counters + 6, nsel * bytes_per_slot)
+    bump(counters + 1, tl.sum(m.to(tl.int64), axis=0))
+    bump(counters + 2, tl.sum((m & linked).to(tl.int64), axis=0))
+    bump(counters + 3, tl.sum((m & readable & ~linked).to(tl.int64), axis=0))
     checks = tl.where(m, checks, 0)
     step_id = tl.load(counters + 0)
     rr = r.to(tl.int64) + p * 0
@@ -123,44 +165,45 @@ def _verify_kernel(
             pred))
 
 
-def verify(stamps: torch.Tensor, layout_table: torch.Tensor, nsrc: int, bytes_per_slot: int, step: Step,
-           counters: torch.Tensor, cursor: torch.Tensor, content_slots: int | None, ring: torch.Tensor,
-           block: int = 64) -> None:
+def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Tensor, cursor: torch.Tensor,
+           content_slots: int | None, ring: torch.Tensor, block: int | None = None) -> None:
     """Launch verify for ``step``. Mutates ``counters``, ``cursor`` and ``ring`` only.
 
     Parameters
     ----------
     stamps : int64 ``[num_slots, 4]``
-    layout_table : int64 ``[nsrc, 8]`` from :func:`kvcanary.kernels._common.source_table`
+    src : the layout's :func:`kvcanary.kernels._common.source_table`
     counters : int64 ``[NUM_COUNTERS]``; cursor : int64 ``[1]``; ring : int64 ``[capacity, NUM_FIELDS]``
+    content_slots : content checks per step (``None``: every read entry)
+    block : positions per program (default: by content tile, or ``META_BLOCK`` without content)
     """
     r = step.num_rows
-    dev = stamps.device
-    counts = read_counts(step)
-    n = counts.sum()
-    counters[Counter.SLOTS_VERIFIED] += n
-    has_content = nsrc > 0
-    first = torch.cumsum(counts, 0) - counts
-    meta = torch.zeros(3, dtype=torch.int64, device=dev)
-    if has_content:
-        k = n if content_slots is None else torch.clamp(n, max=content_slots)
-        meta[0] = n
-        meta[1] = cursor[0] % torch.clamp(n, min=1)
-        meta[2] = k
-        counters[Counter.CONTENT_SLOTS_SKIPPED] += n - k
-        cursor += k
+    if r == 0:
+        return
+    has_content = src.count > 0
+    window = has_content and content_slots is not None
+    if block is None:
+        block = content_block(src) if has_content else META_BLOCK
+    dummy = step.cached_lens
+    starts = step.read_starts if step.read_starts is not None else dummy
+    valid = step.row_valid if step.row_valid is not None else dummy
+    flags = dict(HAS_STARTS=step.read_starts is not None, HAS_VALID=step.row_valid is not None)
+    first = meta = dummy
+    if window:
+        first = torch.empty(r, dtype=torch.int64, device=stamps.device)
+        meta = torch.empty(3, dtype=torch.int64, device=stamps.device)
+        _window_kernel[(1,)](step.cached_lens, starts, valid, r, first, meta, cursor, counters, content_slots,
+                             RB=min(ROWS_PER_PASS, triton.next_power_of_2(r)), **flags)
     table = step.table
+    exp = step.expected_tokens
     grid = (r, triton.cdiv(step.table_span, block))
-    dummy = counts
     _verify_kernel[grid](
         stamps, stamps.shape[0], table, table.shape[1], step.table_span, step.block_size,
-        step.table_rows if step.table_rows is not None else dummy, step.cached_lens,
-        step.read_starts if step.read_starts is not None else dummy,
-        step.row_valid if step.row_valid is not None else dummy,
-        step.expected_tokens if step.expected_tokens is not None else dummy,
-        step.expected_tokens.shape[1] if step.expected_tokens is not None else 0,
-        first, meta, layout_table, nsrc, bytes_per_slot, counters, ring, ring.shape[0],
+        step.table_rows if step.table_rows is not None else dummy, step.cached_lens, starts, valid,
+        exp if exp is not None else dummy, exp.shape[1] if exp is not None else 0,
+        first, meta, cursor, src.table, src.count, src.tiles, src.bytes_per_slot, counters, ring, ring.shape[0],
         BLOCK=block, BLOCK_TABLE=step.block_table is not None, HAS_TROWS=step.table_rows is not None,
-        HAS_STARTS=step.read_starts is not None, HAS_VALID=step.row_valid is not None,
-        HAS_EXP=step.expected_tokens is not None, HAS_CONTENT=has_content, WCHUNK=64,
+        HAS_EXP=exp is not None, HAS_CONTENT=has_content, HAS_WINDOW=window, CHUNK=src.chunk, SAME_PS=src.same_page_size,
+        EVEN=src.even,
+        num_warps=4 if has_content else META_WARPS, **flags,
     )
