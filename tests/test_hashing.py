@@ -32,6 +32,7 @@ def test_golden_content():
 u64 = st.integers(min_value=0, max_value=h.MASK64)
 
 
+@settings(deadline=None)  # correctness only: a loaded 2-core machine must not fail it
 @given(st.lists(st.tuples(u64, u64), min_size=1, max_size=20))
 def test_torch_matches_python_g_and_link(pairs):
     toks = torch.tensor([h.signed(t) for t, _ in pairs])
@@ -42,7 +43,7 @@ def test_torch_matches_python_g_and_link(pairs):
     assert got == want
 
 
-@settings(max_examples=50)
+@settings(max_examples=50, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=9), min_size=1, max_size=12), st.integers(0, 2**32))
 def test_affine_scan_segmented_equals_serial_chains(lengths, seed):
     rng = random.Random(seed)
@@ -67,6 +68,7 @@ def test_affine_scan_segmented_equals_serial_chains(lengths, seed):
     assert got == want
 
 
+@settings(deadline=None)
 @given(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=6), st.integers(1, 4))
 def test_fold_matches_python_content(chunks, nsrc):
     rows = [b"".join(chunks) for _ in range(nsrc)]
