@@ -1,16 +1,46 @@
 #!/usr/bin/env bash
-# Every GPU check in one run (for a lent GPU machine without network): GPU parity and CUDA-graph
-# tests, SGLang's anchor and bench/kernels.py in the same process launch window, and the
-# transformers overhead benchmark on CUDA. Needs .whl/ with the wheels listed in
-# ../shared/bench/README.md (sglang 0.5.23 and friends) and a copy of sglang_anchor.py in bench/.
+# Every GPU check in one run, on a lent GPU machine without network (Python 3.12 with torch and
+# triton): stages run in the order given (default: all), each under its own time limit, each
+# writing its log to $OUT as it goes.
+#
+#   tests         GPU parity, CUDA-graph replay and no-host-sync tests (tests/test_kernels.py ...)
+#   bench         SGLang's anchor, then bench/kernels.py, in the same process launch window
+#   transformers  bench/transformers_cb.py on CUDA
+#
+# Needs .gpu/ from bench/prepare_gpu_run.sh (carry it). Example:
+#   bench/gpu_run.sh tests bench        then        bench/gpu_run.sh transformers
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/kvcanary-gpu}; mkdir -p "$OUT"
-SITE=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl 2>/dev/null && export PYTHONPATH="$SITE:src"
-export PYTHONPATH="${PYTHONPATH:-}:src"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || true
-PYTHONUNBUFFERED=1 python3 -m pytest -q tests/test_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
-PYTHONUNBUFFERED=1 python3 bench/sglang_anchor.py 2>&1 | tee "$OUT/sglang_anchor.jsonl" | tail -30
-PYTHONUNBUFFERED=1 python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.jsonl" | tail -30
-PYTHONUNBUFFERED=1 python3 bench/transformers_cb.py --device cuda --repeats 3 2>&1 | tee "$OUT/transformers_cuda.jsonl"
+OUT=${OUT:-/tmp/kvcanary-gpu}
+mkdir -p "$OUT"
+SITE=/tmp/kvcanary-site
+if [ ! -d "$SITE" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/*.whl \
+    || { echo "wheel install failed: run bench/prepare_gpu_run.sh and carry .gpu"; exit 1; }
+fi
+export PYTHONPATH="$SITE:$PWD/src:$PWD/tests" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+
+stage() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -25 "$OUT/$name.log"
+  echo "== $name: exit $rc in $((SECONDS - t0))s"
+}
+
+for s in "${@:-tests bench transformers}"; do
+  for one in $s; do
+    case $one in
+      tests) stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_no_host_sync.py ;;
+      bench)
+        stage sglang_anchor 150 python3 .gpu/sglang_anchor.py
+        stage kernels 240 python3 bench/kernels.py ;;
+      transformers) stage transformers_cuda 200 python3 bench/transformers_cb.py --device cuda --repeats 3 ;;
+      *) echo "unknown stage $one (tests, bench, transformers)"; exit 2 ;;
+    esac
+  done
+done
