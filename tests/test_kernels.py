@@ -3,6 +3,7 @@
 Without a GPU they run under ``TRITON_INTERPRET=1`` on CPU tensors (small cases); with one, on CUDA.
 """
 
+import copy
 import os
 import random
 
@@ -155,15 +156,27 @@ def test_dispatch():
         Canary(8, device="meta")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-def test_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("graph", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU"))])
+@pytest.mark.parametrize("budget", [None, 4096])
+def test_cuda_graph_replay_matches_eager(budget, graph):
+    """Capture a before/after-forward pair, refill the step's tensors in place, replay: the same
+    stamps, counters, cursor and violations as eager calls on the new step. Without ``graph`` the
+    pair runs on the refilled step without capture (any device: the kernels read the step's tensors
+    at launch, which is what a replay relies on)."""
     rng = random.Random(5)
     nb, bs = 64, 16
     layout = make_layout("paged", nb, bs, 5)
-    step, stoks = random_step(rng, nb * bs, bs, [(40, 1), (70, 3), (33, 1)], "block")
+    lens = [(40, 1), (70, 3), (33, 300)]  # the 300-token chunk spans several scan blocks
+    step, stoks = random_step(rng, nb * bs, bs, lens, "block")
     step, pre = _to(step, DEV), _to(prefill_of(step, stoks), DEV)
-    other = _to(random_step(random.Random(6), nb * bs, bs, [(40, 1), (70, 3), (33, 1)], "block")[0], DEV)
-    cfg = CanaryConfig(mode="log", validate=False, content_budget_bytes=None)
+    other = copy.copy(step)  # same shapes and cached prefix; other new tokens, a redirected block, a torn byte
+    for f in step.__dataclass_fields__:
+        if isinstance(getattr(step, f), torch.Tensor):
+            setattr(other, f, getattr(step, f).clone())
+    other.new_tokens.random_(0, 1 << 16)
+    other.block_table[0, 1] = step.block_table[1, 1]
+    cfg = CanaryConfig(mode="log", validate=False, content_budget_bytes=budget, backend="triton")
 
     def fresh():
         c = Canary(nb * bs, layout, cfg)
@@ -173,23 +186,33 @@ def test_cuda_graph_replay_matches_eager():
     warm = fresh()  # compiles every kernel for these shapes outside the capture
     warm.before_forward(step)
     warm.after_forward(step)
-    eager = fresh()
+    eager, graphed = fresh(), fresh()
+    layout.sources[0].slot_bytes(int(step.block_table[1, 0]) * bs)[0, 0] ^= 1  # row 1, position 0
     eager.before_forward(other)
     eager.after_forward(other)
-    graphed = fresh()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    if graph:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            graphed.before_forward(step)
+            graphed.after_forward(step)
+    for f in step.__dataclass_fields__:  # refill the captured step in place
+        v = getattr(step, f)
+        if isinstance(v, torch.Tensor):
+            v.copy_(getattr(other, f))
+    if graph:
+        g.replay()
+        torch.cuda.synchronize()
+    else:
         graphed.before_forward(step)
         graphed.after_forward(step)
-    for f in ("cached_lens", "new_offsets", "new_tokens", "new_positions", "new_slots", "block_table",
-              "expected_tokens", "row_valid"):
-        getattr(step, f).copy_(getattr(other, f))  # refill the captured step in place
-    g.replay()
-    torch.cuda.synchronize()
+    assert graphed.internal_errors == eager.internal_errors == 0
     assert torch.equal(eager.stamps, graphed.stamps), first_mismatch(eager.stamps, graphed.stamps)
     assert torch.equal(eager.ring.counters, graphed.ring.counters)
-    assert sorted(str(v) for v in eager.poll()) == sorted(str(v) for v in graphed.poll())
+    assert torch.equal(eager.cursor, graphed.cursor)
+    found = sorted(str(v) for v in eager.poll())
+    assert found == sorted(str(v) for v in graphed.poll())
+    assert eager.stats()["content_slots_verified"] > 0 and any("CONTENT" in v for v in found)
 
 
 def _zeros():
