@@ -165,6 +165,14 @@ def test_version_check():
         check_version("4.57.1")
 
 
+def test_decode_fast_path_is_refused_loudly(llama):
+    # block tables replace read/write indices on that path (flash attention on CUDA); reading stale
+    # indices would check the wrong slots, so the step builder refuses it by name
+    prot = protect(llama, CanaryConfig(mode="log"))
+    with pytest.raises(UnsupportedError, match="max_blocks_per_request=0"):
+        prot.build_steps(None, {"block_table": torch.zeros(1, 1, 4, dtype=torch.int32)})
+
+
 def test_token_book_streams_and_recycles_rows():
     from kvcanary.engines.token_book import TokenBook
 

@@ -18,6 +18,7 @@ transformers is imported inside functions only; ``import kvcanary`` never needs 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -93,7 +94,8 @@ class _Group:
 
     def block_slots(self, blocks: list[int]) -> torch.Tensor:
         b = torch.tensor(blocks, dtype=torch.int64)
-        return (b[:, None] * self.tpp + torch.arange(self.tpp)).reshape(-1)
+        slots = (b[:, None] * self.tpp + torch.arange(self.tpp)).reshape(-1)
+        return _to_device(self.canary.device, slots)[0]
 
 
 class Protection:
@@ -126,6 +128,7 @@ class Protection:
         self._offloaded: dict[str, dict[str, torch.Tensor]] = {}
         self.rows: dict[int, list[str]] = {}  # forward -> request id of each step row
         self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
+        self._stream: Any = None
 
     # ---- install / remove -------------------------------------------------------------------
 
@@ -182,36 +185,52 @@ class Protection:
         self.groups = {name: _Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
 
     def build_steps(self, runner: Any, batch: dict) -> dict[str, Step]:
-        """One Step per layer group from a forward's own metadata (no Python loop over tokens)."""
-        reqs = [fs for fs in runner.inputs_and_outputs.requests_in_batch]
+        """One Step per layer group from a forward's own metadata, on the batch's device.
+
+        Shapes come from the requests' host-side lengths and the index tensors' own sizes, so no
+        device value is read on the host; host-built tensors travel through pinned memory.
+        """
+        if batch.get("block_table") is not None:
+            raise UnsupportedError(
+                "continuous batching's decode fast path (block tables for flash attention's kv-cache kernel) is "
+                "not covered; run with ContinuousBatchingConfig(max_blocks_per_request=0)")
+        reqs = list(_host_io(runner.inputs_and_outputs).requests_in_batch)
         r = len(reqs)
+        if r == 0:
+            return {}
+        dev = batch["input_ids"].device
+        q_host = torch.tensor([fs.query_length for fs in reqs], dtype=torch.int64)
+        past_host = torch.tensor([fs.state.position_offset - fs.query_length for fs in reqs], dtype=torch.int64)
+        total = int(q_host.sum())
+        width = max(1, int((past_host + q_host).max()))
+        wrow_host = torch.repeat_interleave(torch.arange(r), q_host, output_size=total)
+        wpos_host = past_host[wrow_host] + torch.arange(total) - (torch.cumsum(q_host, 0) - q_host)[wrow_host]
+        exp_host = None
+        if self.check_tokens:
+            exp_host = self._book.streams([fs.state for fs in reqs], (past_host + q_host).tolist(), width)
+        past, wrow, wpos, exp_tok = _to_device(dev, past_host, wrow_host, wpos_host, exp_host)
+        exp_new = exp_tok[wrow, wpos] if exp_tok is not None else None
         cu_q = batch["cu_seq_lens_q"][: r + 1].long()
         q = cu_q[1:] - cu_q[:-1]
-        total = int(cu_q[-1])
-        past = torch.tensor([fs.state.position_offset - fs.query_length for fs in reqs], dtype=torch.int64)
-        width = max(1, int((past + q).max())) if r else 1
         tokens = batch["input_ids"][0, :total]
         positions = batch["position_ids"][0, :total]
-        wrow = torch.repeat_interleave(torch.arange(r), q)
-        wpos = past[wrow] + torch.arange(total) - cu_q[wrow]
-        exp_tok = exp_new = None
-        if self.check_tokens and r:
-            exp_tok = self._book.streams([fs.state for fs in reqs], (past + q).tolist(), width)
-            exp_new = exp_tok[wrow, wpos]
         steps = {}
         for name, g in self.groups.items():
-            cu_k = batch["cu_seq_lens_k"][name][: r + 1].long() if isinstance(batch["cu_seq_lens_k"], dict) \
-                else batch["cu_seq_lens_k"][: r + 1].long()
-            seqlen_k = cu_k[1:] - cu_k[:-1]
+            cu_k = batch["cu_seq_lens_k"]
+            cu_k = (cu_k[name] if isinstance(cu_k, dict) else cu_k)[: r + 1].long()
             read = batch["read_index"][g.index]
-            ncached = (seqlen_k - q) if read.numel() else torch.zeros_like(q)
-            table = torch.full((r, width), -1, dtype=torch.int64)
+            # row r and column width are scratch: entries that are not cached reads land there
+            table = torch.full((r + 1, width + 1), -1, dtype=torch.int64, device=dev)
+            ncached = torch.zeros_like(q)
             if read.numel():
-                rrow = torch.repeat_interleave(torch.arange(r), seqlen_k)
-                j = torch.arange(int(cu_k[-1])) - cu_k[rrow]
-                cached = j < ncached[rrow]
-                pos = past[rrow] - ncached[rrow] + j
-                table[rrow[cached], pos[cached]] = g.compact(read[: int(cu_k[-1])][cached])
+                ncached = cu_k[1:] - cu_k[:-1] - q
+                e = torch.arange(read.shape[0], device=dev)
+                rrow = torch.searchsorted(cu_k, e, right=True) - 1  # r past the last row's reads
+                rr = rrow.clamp(max=r - 1)
+                j = e - cu_k[rr]
+                cached = (rrow < r) & (j < ncached[rr])
+                pos = past[rr] - ncached[rr] + j
+                table[torch.where(cached, rr, r), torch.where(cached, pos, width)] = g.compact(read)
             write = batch["write_index"][g.index][:total].long()
             wslot = torch.where(write == g.trash, -1, g.compact(write))
             table[wrow, wpos] = wslot
@@ -224,21 +243,24 @@ class Protection:
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         t0, threads = time.perf_counter(), _small_ops_threads(batch)
+        self._stream = runner.inputs_and_outputs.compute_stream  # the forward's stream (None on a CPU)
         try:
-            return self._before(runner, batch)
+            with _on(self._stream):
+                return self._before(runner, batch)
         finally:
             torch.set_num_threads(threads)
             self.seconds += time.perf_counter() - t0
 
     def _before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         try:
-            if any(fs.state.request_id.startswith("__warmup") for fs in runner.inputs_and_outputs.requests_in_batch):
+            reqs = _host_io(runner.inputs_and_outputs).requests_in_batch
+            if any(fs.state.request_id.startswith("__warmup") for fs in reqs):
                 return None
             self._ensure_groups(runner.cache)
             for hook in self.hooks:
                 hook(self, runner, batch)
             steps = self.build_steps(runner, batch)
-            self.rows[self.forwards] = [fs.state.request_id for fs in runner.inputs_and_outputs.requests_in_batch]
+            self.rows[self.forwards] = [fs.state.request_id for fs in reqs]
             self.rows.pop(self.forwards - self.config.history, None)
         except Exception:
             if self.config.mode == "raise":
@@ -255,8 +277,9 @@ class Protection:
             return
         t0, threads = time.perf_counter(), _small_ops_threads(steps)
         try:
-            for name, step in steps.items():
-                self.groups[name].canary.after_forward(step)
+            with _on(self._stream):
+                for name, step in steps.items():
+                    self.groups[name].canary.after_forward(step)
             self.forwards += 1
             self.poll()
             if self.forwards % 64 == 0 and self.cache is not None:  # requests that left the cache
@@ -292,6 +315,23 @@ class Protection:
                 n = min(len(blocks), stamps.shape[0] // g.tpp)
                 g.canary.import_stamps(g.block_slots(blocks[:n]), stamps[: n * g.tpp])
         self.poll()
+
+
+def _host_io(io: Any) -> Any:
+    """The IO object holding the current batch's host-side state (async batching keeps a pair)."""
+    return io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io
+
+
+def _to_device(dev: torch.device, *tensors: torch.Tensor | None) -> tuple[Any, ...]:
+    """Host tensors on ``dev``: through pinned memory and without waiting, on an accelerator."""
+    if dev.type == "cpu":
+        return tensors
+    return tuple(None if t is None else t.pin_memory().to(dev, non_blocking=True) for t in tensors)
+
+
+def _on(stream: Any) -> Any:
+    """Run the canary's device work on the forward's own stream, so it is ordered with the forward."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _small_ops_threads(_: object) -> int:
