@@ -5,7 +5,7 @@
 #
 #   tests         GPU parity, CUDA-graph replay and no-host-sync tests (tests/test_kernels.py ...)
 #   bench         SGLang's anchor, then bench/kernels.py, in the same process launch window
-#   transformers  bench/transformers_cb.py on CUDA
+#   transformers  bench/transformers_cb.py on CUDA (Llama-shaped, 16 layers x 2048, random weights)
 #
 # Needs .gpu/ from bench/prepare_gpu_run.sh (carry it). Example:
 #   bench/gpu_run.sh tests bench        then        bench/gpu_run.sh transformers
@@ -39,7 +39,8 @@ for s in "${@:-tests bench transformers}"; do
       bench)
         stage sglang_anchor 150 python3 .gpu/sglang_anchor.py
         stage kernels 240 python3 bench/kernels.py ;;
-      transformers) stage transformers_cuda 200 python3 bench/transformers_cb.py --device cuda --repeats 3 ;;
+      transformers) stage transformers_cuda 240 python3 bench/transformers_cb.py --device cuda --repeats 3 \
+                      --layers 16 --hidden 2048 ;;
       *) echo "unknown stage $one (tests, bench, transformers)"; exit 2 ;;
     esac
   done

@@ -83,7 +83,8 @@ def main() -> None:
             "forwards": stats.get("forwards"), "slots_verified": stats.get("slots_verified"),
             "content_bytes_verified": stats.get("content_bytes_verified"),
             "content_bytes_stamped": stats.get("content_bytes_stamped"),
-            "violations": stats.get("violations"), "repeats": args.repeats, "threads": torch.get_num_threads(),
+            "violations": stats.get("violations"), "internal_errors": stats.get("internal_errors"),
+            "repeats": args.repeats, "threads": torch.get_num_threads(),
             "model": f"llama layers={args.layers} hidden={args.hidden}",
         }), flush=True)
 
