@@ -105,7 +105,8 @@ def test_verify_and_stamp_match_torch(bs, kind, lay):
             cur_t = torch.tensor([rng.randrange(50)], device=DEV)
             cur_k = cur_t.clone()
             rows_t = checks.verify(st_t, layout, step, c_t, cur_t, budget, 0)
-            kverify.verify(st_k, table, step, c_k, cur_k, budget, ring, block=rng.choice([None, 32]))
+            kverify.verify(st_k, table, step, c_k, cur_k, budget, ring, block=rng.choice([None, 32]),
+                           max_programs_per_row=rng.choice([1, 2, kverify.MAX_GRID_Y]))  # several grid passes
             c_t[Counter.VIOLATIONS] += rows_t.shape[0]
             assert sorted(map(tuple, rows_t.cpu().tolist())) == rows_of(ring, c_k)
             assert torch.equal(c_t, c_k) and torch.equal(cur_t, cur_k)

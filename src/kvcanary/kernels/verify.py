@@ -26,6 +26,7 @@ assert [int(c) for c in (Counter.STEPS, Counter.SLOTS_VERIFIED, Counter.LINKS_CH
 assert NUM_FIELDS == 14
 META_BLOCK, META_WARPS = 1024, 8  # positions and warps per program without content (4 positions per lane)
 ROWS_PER_PASS = 1024  # rows the window prologue sums at once
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 
 
 @triton.jit
@@ -104,69 +105,69 @@ def _verify_kernel(
     """Per read entry (row r, position p): POSITION, LINK (stored link == B*pred.link + g(token, pos)),
     TOKEN, CONTENT (every entry, or those in the window), EMPTY, BAD_SLOT."""
     r = tl.program_id(0)
-    blk = tl.program_id(1)
     st0, cnt = read_range(r, cached, starts, valid, HAS_STARTS, HAS_VALID)
-    if blk * BLOCK >= cnt:
-        return
-    idx = blk * BLOCK + tl.arange(0, BLOCK)
-    m = idx < cnt
-    p = st0 + idx
-    trow = r.to(tl.int64)
-    if HAS_TROWS:
-        trow = tl.load(table_rows + r).to(tl.int64)
-    slot = lookup(table, trow, p, width, span, bs, BLOCK_TABLE)
-    has_pred = idx > 0
-    pred = tl.where(has_pred, lookup(table, trow, p - 1, width, span, bs, BLOCK_TABLE), -1)
-    bad = (slot < 0) | (slot >= num_slots)
-    pred_ok = has_pred & (pred >= 0) & (pred < num_slots)
-    sl = tl.where(bad | ~m, 0, slot)
-    s_tok = tl.load(stamps + sl * 4 + 0, mask=m, other=0)
-    s_pos = tl.load(stamps + sl * 4 + 1, mask=m, other=0)
-    s_link = tl.load(stamps + sl * 4 + 2, mask=m, other=0)
-    s_cont = tl.load(stamps + sl * 4 + 3, mask=m, other=0)
-    empty = (s_pos == -1) & ~bad
-    readable = ~bad & ~empty
-    linked = readable & ((p == 0) | pred_ok)
-    prev = tl.load(stamps + tl.where(pred_ok, pred, 0) * 4 + 2, mask=m & pred_ok, other=0)
-    prev = tl.where(p == 0, 0x5EEDC0DE7A110001, u64(prev))
-    exp_link = prev * 0x9E3779B97F4A7C15 + g_term(u64(s_tok), u64(s_pos))
-    exp_link = tl.where(linked, i64(exp_link), 0)
-    checks = tl.where(bad, 32, 0) | tl.where(empty, 16, 0)
-    checks |= tl.where(readable & (s_pos != p), 1, 0)
-    checks |= tl.where(linked & (s_link != exp_link), 2, 0)
-    etok = p * 0 - 1
-    if HAS_EXP:
-        inside = p < exp_w
-        etok = tl.load(exp_tok + r * exp_w + tl.where(inside, p, 0), mask=m & inside, other=-1).to(tl.int64)
-        checks |= tl.where(readable & (etok != -1) & (s_tok != etok), 4, 0)
-    exp_cont = p * 0
-    if HAS_CONTENT:
-        sel = m & readable
-        if HAS_WINDOW:
-            n = tl.maximum(tl.load(meta + 0), 1)
-            e = tl.load(first + r) + idx
-            sel &= ((e - tl.load(meta + 1)) % n + n) % n < tl.load(meta + 2)
-        else:
-            bump(cursor, tl.sum(m.to(tl.int64), axis=0))  # every entry is in the window
-        fp = i64(fold_sources(sl, sel, src, nsrc, ntiles, CHUNK, SAME_PS, EVEN))
-        exp_cont = tl.where(sel, fp, 0)
-        checks |= tl.where(sel & (s_cont != exp_cont), 8, 0)
-        nsel = tl.sum(sel.to(tl.int64), axis=0)
-        bump(counters + 4, nsel)
-        bump(counters + 6, nsel * bytes_per_slot)
-    bump(counters + 1, tl.sum(m.to(tl.int64), axis=0))
-    bump(counters + 2, tl.sum((m & linked).to(tl.int64), axis=0))
-    bump(counters + 3, tl.sum((m & readable & ~linked).to(tl.int64), axis=0))
-    checks = tl.where(m, checks, 0)
-    step_id = tl.load(counters + 0)
-    rr = r.to(tl.int64) + p * 0
-    record(ring, counters, cap, checks != 0, 14,
-           (p * 0, checks, step_id + p * 0, rr, slot, p, etok, s_tok, s_pos, exp_link, s_link, exp_cont, s_cont,
-            pred))
+    # programs stride over the row's blocks: a row longer than one grid pass still gets every block
+    for blk in range(tl.program_id(1), tl.cdiv(cnt, BLOCK).to(tl.int32), tl.num_programs(1)):
+        idx = blk * BLOCK + tl.arange(0, BLOCK)
+        m = idx < cnt
+        p = st0 + idx
+        trow = r.to(tl.int64)
+        if HAS_TROWS:
+            trow = tl.load(table_rows + r).to(tl.int64)
+        slot = lookup(table, trow, p, width, span, bs, BLOCK_TABLE)
+        has_pred = idx > 0
+        pred = tl.where(has_pred, lookup(table, trow, p - 1, width, span, bs, BLOCK_TABLE), -1)
+        bad = (slot < 0) | (slot >= num_slots)
+        pred_ok = has_pred & (pred >= 0) & (pred < num_slots)
+        sl = tl.where(bad | ~m, 0, slot)
+        s_tok = tl.load(stamps + sl * 4 + 0, mask=m, other=0)
+        s_pos = tl.load(stamps + sl * 4 + 1, mask=m, other=0)
+        s_link = tl.load(stamps + sl * 4 + 2, mask=m, other=0)
+        s_cont = tl.load(stamps + sl * 4 + 3, mask=m, other=0)
+        empty = (s_pos == -1) & ~bad
+        readable = ~bad & ~empty
+        linked = readable & ((p == 0) | pred_ok)
+        prev = tl.load(stamps + tl.where(pred_ok, pred, 0) * 4 + 2, mask=m & pred_ok, other=0)
+        prev = tl.where(p == 0, 0x5EEDC0DE7A110001, u64(prev))
+        exp_link = prev * 0x9E3779B97F4A7C15 + g_term(u64(s_tok), u64(s_pos))
+        exp_link = tl.where(linked, i64(exp_link), 0)
+        checks = tl.where(bad, 32, 0) | tl.where(empty, 16, 0)
+        checks |= tl.where(readable & (s_pos != p), 1, 0)
+        checks |= tl.where(linked & (s_link != exp_link), 2, 0)
+        etok = p * 0 - 1
+        if HAS_EXP:
+            inside = p < exp_w
+            etok = tl.load(exp_tok + r * exp_w + tl.where(inside, p, 0), mask=m & inside, other=-1).to(tl.int64)
+            checks |= tl.where(readable & (etok != -1) & (s_tok != etok), 4, 0)
+        exp_cont = p * 0
+        if HAS_CONTENT:
+            sel = m & readable
+            if HAS_WINDOW:
+                n = tl.maximum(tl.load(meta + 0), 1)
+                e = tl.load(first + r) + idx
+                sel &= ((e - tl.load(meta + 1)) % n + n) % n < tl.load(meta + 2)
+            else:
+                bump(cursor, tl.sum(m.to(tl.int64), axis=0))  # every entry is in the window
+            fp = i64(fold_sources(sl, sel, src, nsrc, ntiles, CHUNK, SAME_PS, EVEN))
+            exp_cont = tl.where(sel, fp, 0)
+            checks |= tl.where(sel & (s_cont != exp_cont), 8, 0)
+            nsel = tl.sum(sel.to(tl.int64), axis=0)
+            bump(counters + 4, nsel)
+            bump(counters + 6, nsel * bytes_per_slot)
+        bump(counters + 1, tl.sum(m.to(tl.int64), axis=0))
+        bump(counters + 2, tl.sum((m & linked).to(tl.int64), axis=0))
+        bump(counters + 3, tl.sum((m & readable & ~linked).to(tl.int64), axis=0))
+        checks = tl.where(m, checks, 0)
+        step_id = tl.load(counters + 0)
+        rr = r.to(tl.int64) + p * 0
+        record(ring, counters, cap, checks != 0, 14,
+               (p * 0, checks, step_id + p * 0, rr, slot, p, etok, s_tok, s_pos, exp_link, s_link, exp_cont, s_cont,
+                pred))
 
 
 def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Tensor, cursor: torch.Tensor,
-           content_slots: int | None, ring: torch.Tensor, block: int | None = None) -> None:
+           content_slots: int | None, ring: torch.Tensor, block: int | None = None,
+           max_programs_per_row: int = MAX_GRID_Y) -> None:
     """Launch verify for ``step``. Mutates ``counters``, ``cursor`` and ``ring`` only.
 
     Parameters
@@ -176,6 +177,8 @@ def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.T
     counters : int64 ``[NUM_COUNTERS]``; cursor : int64 ``[1]``; ring : int64 ``[capacity, NUM_FIELDS]``
     content_slots : content checks per step (``None``: every read entry)
     block : positions per program (default: by content tile, or ``META_BLOCK`` without content)
+    max_programs_per_row : the grid's second dimension at most (a CUDA limit); programs stride
+        over the blocks of longer rows
     """
     r = step.num_rows
     if r == 0:
@@ -196,7 +199,7 @@ def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.T
                              RB=min(ROWS_PER_PASS, triton.next_power_of_2(r)), **flags)
     table = step.table
     exp = step.expected_tokens
-    grid = (r, triton.cdiv(step.table_span, block))
+    grid = (r, max(1, min(triton.cdiv(step.table_span, block), max_programs_per_row)))
     _verify_kernel[grid](
         stamps, stamps.shape[0], table, table.shape[1], step.table_span, step.block_size,
         step.table_rows if step.table_rows is not None else dummy, step.cached_lens, starts, valid,
