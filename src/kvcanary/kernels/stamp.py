@@ -22,6 +22,8 @@ from kvcanary.kernels.verify import bump, lookup, record
 from kvcanary.step import Step
 from kvcanary.violations import Check, Counter
 
+CARRY_PASS = 1024  # block aggregates scanned at once
+
 # the kernels spell these as literals
 assert [int(c) for c in (Check.BAD_SLOT, Check.WRITE_POSITION, Check.WRITE_TABLE, Check.WRITE_INPUT_TOKEN,
                          Check.WRITE_INPUT_POSITION)] == [32, 64, 128, 256, 512]
@@ -96,14 +98,19 @@ def _block_aggregates(tokens, positions, offsets, rows, steps, cached, table, wi
 
 @triton.jit
 def _carry(agg, carry, nblocks, NB: tl.constexpr):
-    """carry[k] = value of the chain at the end of block k - 1 (0 for block 0)."""
-    k = tl.arange(0, NB)
-    m = k < nblocks
-    a = tl.where(m, u64(tl.load(agg + k * 2, mask=m, other=1)), 1)
-    b = tl.where(m, u64(tl.load(agg + k * 2 + 1, mask=m, other=0)), 0)
-    _, y = tl.associative_scan((a, b), 0, _combine)
-    tl.store(carry + k + 1, i64(y), mask=(k + 1) < nblocks)
-    tl.store(carry + k, i64(y) * 0, mask=k == 0)
+    """carry[k] = value of the chain at the end of block k - 1 (0 for block 0), in passes of ``NB``
+    blocks that start from the previous pass's last value."""
+    y0 = tl.load(agg) * 0  # the chain's value before block 0
+    for k0 in range(0, nblocks, NB):
+        k = k0 + tl.arange(0, NB)
+        m = k < nblocks
+        a = tl.where(m, u64(tl.load(agg + k * 2, mask=m, other=1)), 1)
+        b = tl.where(m, u64(tl.load(agg + k * 2 + 1, mask=m, other=0)), 0)
+        A, B = tl.associative_scan((a, b), 0, _combine)
+        y = A * u64(y0) + B  # the value at the end of block k
+        tl.store(carry + k, i64(y0 + tl.zeros_like(k).to(tl.int64)), mask=k == k0)
+        tl.store(carry + k + 1, i64(y), mask=(k + 1) < nblocks)
+        y0 = tl.sum(tl.where(k == k0 + NB - 1, i64(y), 0), axis=0)
 
 
 @triton.jit
@@ -160,8 +167,10 @@ def _write_kernel(
 
 
 def stamp(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Tensor, ring: torch.Tensor,
-          block: int = 256) -> None:
-    """Launch stamping for ``step``. Mutates ``stamps``, ``counters`` and ``ring`` only."""
+          block: int = 256, carry_pass: int = CARRY_PASS) -> None:
+    """Launch stamping for ``step``. Mutates ``stamps``, ``counters`` and ``ring`` only.
+
+    ``block`` tokens per program; ``carry_pass`` block aggregates per pass of the carry scan."""
     dev = stamps.device
     n = step.num_new
     if n == 0:
@@ -187,7 +196,7 @@ def stamp(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Te
         carry = torch.empty(nblocks, dtype=torch.int64, device=dev)
         _block_aggregates[(nblocks,)](step.new_tokens, step.new_positions, step.new_offsets, r, steps, *lookup_args,
                                       seeds, agg, n, BLOCK=block, **flags)
-        _carry[(1,)](agg, carry, nblocks, NB=triton.next_power_of_2(nblocks))
+        _carry[(1,)](agg, carry, nblocks, NB=min(carry_pass, triton.next_power_of_2(nblocks)))
     _write_kernel[(nblocks,)](
         stamps, num_slots, step.new_tokens, step.new_positions, step.new_slots, step.new_offsets, r, steps, seeds,
         carry, contents, step.cached_lens, step.row_valid if step.row_valid is not None else dummy, table,
