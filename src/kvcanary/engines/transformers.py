@@ -18,7 +18,6 @@ transformers is imported inside functions only; ``import kvcanary`` never needs 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -27,6 +26,7 @@ import torch
 
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
+from kvcanary.engines import transformers_hooks as cb_hooks
 from kvcanary.engines.hf_models import cb_configs, tiny_model
 from kvcanary.engines.token_book import TokenBook
 from kvcanary.errors import UnsupportedError
@@ -95,7 +95,7 @@ class _Group:
     def block_slots(self, blocks: list[int]) -> torch.Tensor:
         b = torch.tensor(blocks, dtype=torch.int64)
         slots = (b[:, None] * self.tpp + torch.arange(self.tpp)).reshape(-1)
-        return _to_device(self.canary.device, slots)[0]
+        return cb_hooks.to_device(self.canary.device, slots)[0]
 
 
 class Protection:
@@ -134,16 +134,16 @@ class Protection:
 
     def __enter__(self) -> "Protection":
         if self.config.mode != "off":
-            _install()
-            _ACTIVE[id(self.model)] = self
+            cb_hooks.install()
+            cb_hooks.ACTIVE[id(self.model)] = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _ACTIVE.pop(id(self.model), None)
+        cb_hooks.ACTIVE.pop(id(self.model), None)
         if self.cache is not None:
-            _BY_CACHE.pop(_pool_key(self.cache.cache_tensor), None)
-        if not _ACTIVE:
-            _uninstall()
+            cb_hooks.BY_CACHE.pop(cb_hooks.pool_key(self.cache.cache_tensor), None)
+        if not cb_hooks.ACTIVE:
+            cb_hooks.uninstall()
 
     # ---- reporting ----------------------------------------------------------------------------
 
@@ -181,7 +181,7 @@ class Protection:
         if self.cache is cache:
             return
         self.cache = cache
-        _BY_CACHE[_pool_key(cache.cache_tensor)] = self
+        cb_hooks.BY_CACHE[cb_hooks.pool_key(cache.cache_tensor)] = self
         self.groups = {name: _Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
 
     def build_steps(self, runner: Any, batch: dict) -> dict[str, Step]:
@@ -194,7 +194,7 @@ class Protection:
             raise UnsupportedError(
                 "continuous batching's decode fast path (block tables for flash attention's kv-cache kernel) is "
                 "not covered; run with ContinuousBatchingConfig(max_blocks_per_request=0)")
-        reqs = list(_host_io(runner.inputs_and_outputs).requests_in_batch)
+        reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
         r = len(reqs)
         if r == 0:
             return {}
@@ -208,7 +208,7 @@ class Protection:
         exp_host = None
         if self.check_tokens:
             exp_host = self._book.streams([fs.state for fs in reqs], (past_host + q_host).tolist(), width)
-        past, wrow, wpos, exp_tok = _to_device(dev, past_host, wrow_host, wpos_host, exp_host)
+        past, wrow, wpos, exp_tok = cb_hooks.to_device(dev, past_host, wrow_host, wpos_host, exp_host)
         exp_new = exp_tok[wrow, wpos] if exp_tok is not None else None
         cu_q = batch["cu_seq_lens_q"][: r + 1].long()
         q = cu_q[1:] - cu_q[:-1]
@@ -242,10 +242,10 @@ class Protection:
         return steps
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
-        t0, threads = time.perf_counter(), _small_ops_threads(batch)
+        t0, threads = time.perf_counter(), cb_hooks.small_ops_threads(batch)
         self._stream = runner.inputs_and_outputs.compute_stream  # the forward's stream (None on a CPU)
         try:
-            with _on(self._stream):
+            with cb_hooks.on_stream(self._stream):
                 return self._before(runner, batch)
         finally:
             torch.set_num_threads(threads)
@@ -253,7 +253,7 @@ class Protection:
 
     def _before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         try:
-            reqs = _host_io(runner.inputs_and_outputs).requests_in_batch
+            reqs = cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch
             if any(fs.state.request_id.startswith("__warmup") for fs in reqs):
                 return None
             self._ensure_groups(runner.cache)
@@ -275,9 +275,9 @@ class Protection:
     def after(self, steps: dict[str, Step] | None) -> None:
         if steps is None:
             return
-        t0, threads = time.perf_counter(), _small_ops_threads(steps)
+        t0, threads = time.perf_counter(), cb_hooks.small_ops_threads(steps)
         try:
-            with _on(self._stream):
+            with cb_hooks.on_stream(self._stream):
                 for name, step in steps.items():
                     self.groups[name].canary.after_forward(step)
             self.forwards += 1
@@ -317,106 +317,6 @@ class Protection:
         self.poll()
 
 
-def _host_io(io: Any) -> Any:
-    """The IO object holding the current batch's host-side state (async batching keeps a pair)."""
-    return io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io
-
-
-def _to_device(dev: torch.device, *tensors: torch.Tensor | None) -> tuple[Any, ...]:
-    """Host tensors on ``dev``: through pinned memory and without waiting, on an accelerator."""
-    if dev.type == "cpu":
-        return tensors
-    return tuple(None if t is None else t.pin_memory().to(dev, non_blocking=True) for t in tensors)
-
-
-def _on(stream: Any) -> Any:
-    """Run the canary's device work on the forward's own stream, so it is ordered with the forward."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _small_ops_threads(_: object) -> int:
-    """Run the canary's many small CPU ops on one intra-op thread; returns the count to restore.
-
-    The continuous-batching forward runs in a worker thread, where a small op fanned out to the
-    intra-op pool costs several times its work (76 us instead of 10 us for a 2k-element
-    repeat_interleave on the 2-core machines here). The forward itself is not running meanwhile.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    return threads
-
-
 def protect(model: Any, config: CanaryConfig | None = None, **kw: Any) -> Protection:
     """Protect ``model``'s continuous batching; use the result as a context manager."""
     return Protection(model, config, **kw)
-
-
-# ---- class-level patches (the CB processor is built inside its worker thread) ---------------
-
-_ACTIVE: dict[int, Protection] = {}
-_BY_CACHE: dict[int, Protection] = {}  # by the KV pool's storage, which the cache and its allocators share
-
-
-def _pool_key(cache_tensor: torch.Tensor) -> int:
-    return int(cache_tensor.untyped_storage().data_ptr())
-_ORIGINAL: dict[str, Callable[..., Any]] = {}
-
-
-def _install() -> None:
-    if _ORIGINAL:
-        return
-    from transformers.generation.continuous_batching.model_runner import ModelRunner
-    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
-
-    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
-
-    _ORIGINAL["compute_batch"] = ModelRunner.compute_batch
-    _ORIGINAL["offload"] = OffloadingManager._offload_to_cpu
-    _ORIGINAL["restore"] = OffloadingManager.restore_scheduled_requests
-    _ORIGINAL["copy_blocks"] = CacheAllocator.copy_blocks
-
-    def compute_batch(self: Any, model: Any, batch_data: dict) -> None:
-        prot = _ACTIVE.get(id(model))
-        steps = prot.before(self, batch_data) if prot is not None else None
-        _ORIGINAL["compute_batch"](self, model, batch_data)
-        if prot is not None:
-            prot.after(steps)
-
-    def offload(self: Any, victims: list, victim_block_tables: dict) -> set:
-        rids = _ORIGINAL["offload"](self, victims, victim_block_tables)
-        prot = _BY_CACHE.get(_pool_key(self.cache.cache_tensor))
-        if prot is not None and rids:
-            prot.offloaded(self.cache, rids, victim_block_tables)
-        return rids  # type: ignore[no-any-return]
-
-    def restore(self: Any, requests_in_batch: list) -> None:
-        rids = [fs.state.request_id for fs in requests_in_batch if fs.state.is_cpu_offloaded]
-        _ORIGINAL["restore"](self, requests_in_batch)
-        prot = _BY_CACHE.get(_pool_key(self.cache.cache_tensor))
-        if prot is not None and rids:
-            prot.restored(self.cache, rids)
-
-    def copy_blocks(self: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> None:
-        _ORIGINAL["copy_blocks"](self, source_block_ids, dest_block_ids)
-        prot = _BY_CACHE.get(_pool_key(self.cache_tensor))
-        if prot is not None and source_block_ids:
-            prot.copied(self, source_block_ids, dest_block_ids)
-
-    setattr(ModelRunner, "compute_batch", compute_batch)
-    setattr(OffloadingManager, "_offload_to_cpu", offload)
-    setattr(OffloadingManager, "restore_scheduled_requests", restore)
-    setattr(CacheAllocator, "copy_blocks", copy_blocks)
-
-
-def _uninstall() -> None:
-    if not _ORIGINAL:
-        return
-    from transformers.generation.continuous_batching.model_runner import ModelRunner
-    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
-
-    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
-
-    setattr(CacheAllocator, "copy_blocks", _ORIGINAL.pop("copy_blocks"))
-    setattr(ModelRunner, "compute_batch", _ORIGINAL.pop("compute_batch"))
-    setattr(OffloadingManager, "_offload_to_cpu", _ORIGINAL.pop("offload"))
-    setattr(OffloadingManager, "restore_scheduled_requests", _ORIGINAL.pop("restore"))
