@@ -77,7 +77,8 @@ def run_case(name: str, bs: int, prefix: int, extend: int, mode: str, nsrc: int,
     g = torch.Generator().manual_seed(0)
     total = prefix + extend
     num_slots = bs * total + 1
-    table = (torch.randperm(num_slots - 1, generator=g) + 1).view(bs, total).to(dev)
+    # an int32 token-to-slot table, as SGLang's req_to_token (slot 0 reserved, as there)
+    table = (torch.randperm(num_slots - 1, generator=g) + 1).view(bs, total).to(torch.int32).to(dev)
     tokens = torch.randint(0, 128000, (bs, total), generator=g).to(dev)
     srcs = ()
     if mode != "none":
@@ -97,7 +98,7 @@ def run_case(name: str, bs: int, prefix: int, extend: int, mode: str, nsrc: int,
                     new_offsets=torch.arange(bs + 1, dtype=torch.int64, device=dev) * n,
                     new_tokens=tokens[:, start:start + n].reshape(-1).contiguous(),
                     new_positions=torch.arange(start, start + n, device=dev).repeat(bs),
-                    new_slots=table[:, start:start + n].reshape(-1).contiguous())
+                    new_slots=table[:, start:start + n].reshape(-1).long())
 
     if prefix:
         canary.after_forward(step(0, prefix))
@@ -118,8 +119,9 @@ def run_case(name: str, bs: int, prefix: int, extend: int, mode: str, nsrc: int,
     exact = all((end[k] - start[k]) % calls == 0 for k in done) and end["internal_errors"] == 0
     ve, we = bs * prefix, bs * extend
     content_row = KV_ROW * len(srcs)
-    v_bytes = ve * (32 + 8 + 8) + ve * content_row  # stamp + table + pred link, plus the KV rows read
-    w_bytes = we * (32 + 24) + we * content_row
+    te = table.element_size()
+    v_bytes = ve * (32 + te + 8) + ve * content_row  # stamp, table entry, pred link; the KV rows read
+    w_bytes = we * (32 + 8 + 8 + 8 + te) + we * content_row  # stamp; token, position, slot; table entry
     rec = dict(
         case=name, bs=bs, prefix=prefix, extend=extend, real_kv="all" if mode != "none" else "none",
         sources=len(srcs), kv_row_bytes=KV_ROW, verify_entries=ve, write_entries=we, plan_us=0.0,
