@@ -4,7 +4,8 @@
 # writing its log to $OUT as it goes.
 #
 #   tests         GPU parity, CUDA-graph replay and no-host-sync tests (tests/test_kernels.py ...)
-#   bench         SGLang's anchor, then bench/kernels.py, in the same process launch window
+#   bench         SGLang's anchor, then bench/kernels.py, in the same process launch window, then
+#                 its sweep of decode verify's block and warps
 #   transformers  bench/transformers_cb.py on CUDA (Llama-shaped, 16 layers x 2048, random weights)
 #
 # Needs .gpu/ from bench/prepare_gpu_run.sh (carry it). Example:
@@ -38,7 +39,8 @@ for s in "${@:-tests bench transformers}"; do
       tests) stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_no_host_sync.py ;;
       bench)
         stage sglang_anchor 150 python3 .gpu/sglang_anchor.py
-        stage kernels 240 python3 bench/kernels.py ;;
+        stage kernels 240 python3 bench/kernels.py
+        stage kernels_sweep 90 python3 bench/kernels.py --sweep ;;
       transformers) stage transformers_cuda 240 python3 bench/transformers_cb.py --device cuda --repeats 3 \
                       --layers 16 --hidden 2048 ;;
       *) echo "unknown stage $one (tests, bench, transformers)"; exit 2 ;;

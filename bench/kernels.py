@@ -8,6 +8,7 @@ measured copy bandwidth. Clean chains, random slot placement, 2,048-byte rows pe
     python bench/kernels.py                       # every case (a CUDA GPU)
     CASES=decode_bs256_ctx4k python bench/kernels.py
     python bench/kernels.py --smoke               # tiny cases; on a CPU through TRITON_INTERPRET=1
+    python bench/kernels.py --sweep               # decode verify's block and warps, metadata only
 
 ``real_kv``: none (metadata only), all with ``sources`` 1 or 4, and ``all64`` (every layer-half of a
 Llama-3-8B-shaped cache: 32 layers x K and V). Verify checks content of every read slot (no budget).
@@ -71,8 +72,12 @@ def copy_roofline(dev: torch.device) -> float:
 
 
 def run_case(name: str, bs: int, prefix: int, extend: int, mode: str, nsrc: int, iters: int, dev: torch.device,
-             peak: float) -> None:
+             peak: float, meta: tuple[int, int] | None = None) -> None:
     from kvcanary import ByteSource, Canary, CanaryConfig, KvLayout, Step
+    from kvcanary.kernels import verify as kverify
+
+    if meta is not None:  # positions and warps per program of metadata-only verify
+        kverify.META_BLOCK, kverify.META_WARPS = meta
 
     g = torch.Generator().manual_seed(0)
     total = prefix + extend
@@ -131,6 +136,7 @@ def run_case(name: str, bs: int, prefix: int, extend: int, mode: str, nsrc: int,
                                  slots_stamped=bs * extend, content_bytes_stamped=bs * extend * KV_ROW * len(srcs)),
         verify_graph_us=None if verify_g is None else round(verify_g, 2),
         write_graph_us=None if write_g is None else round(write_g, 2),
+        meta_block=kverify.META_BLOCK, meta_warps=kverify.META_WARPS,
         device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu-interpreter",
         verify_bytes=v_bytes, write_bytes=w_bytes,
         verify_GBps=round(v_bytes / verify_us / 1e3, 1) if verify_us else None,
@@ -144,6 +150,8 @@ def run_case(name: str, bs: int, prefix: int, extend: int, mode: str, nsrc: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny cases (CPU: Triton interpreter)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="metadata-only decode verify under each (positions, warps) per program")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu":
@@ -162,6 +170,11 @@ def main() -> None:
     if args.smoke:
         cases = [("smoke_decode", 4, 63, 1, 1), ("smoke_prefill", 1, 0, 300, 1)]
         modes = [("none", 0), ("all", 1)]
+    if args.sweep:
+        name, bs, p, e, it = cases[0]
+        for meta in ((256, 4), (512, 4), (512, 8), (1024, 4), (1024, 8)):
+            run_case(name, bs, p, e, "none", 0, it, dev, peak, meta)
+        return
     only = os.environ.get("CASES")
     for name, bs, p, e, it in cases:
         if only and name not in only.split(","):

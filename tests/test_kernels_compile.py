@@ -65,7 +65,7 @@ def compile_all(out_dir):
     for tag, bt, tr, st, va, ex, co, wi, block, warps in [
         ("verify_content", True, False, False, True, True, True, True, 32, 4),
         ("verify_content_unmasked", True, False, False, False, False, True, False, 32, 4),
-        ("verify_meta", False, True, True, False, False, False, False, 1024, 8),
+        ("verify_meta", False, True, True, False, False, False, False, 512, 8),
     ]:
         compile_for_hopper(_verify_kernel, VERIFY, dict(BLOCK=block, BLOCK_TABLE=bt, HAS_TROWS=tr, HAS_STARTS=st,
                                                         HAS_VALID=va, HAS_EXP=ex, HAS_CONTENT=co, HAS_WINDOW=wi,

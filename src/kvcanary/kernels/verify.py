@@ -24,7 +24,9 @@ assert [int(c) for c in (Counter.STEPS, Counter.SLOTS_VERIFIED, Counter.LINKS_CH
                          Counter.CONTENT_SLOTS_VERIFIED, Counter.CONTENT_SLOTS_SKIPPED,
                          Counter.CONTENT_BYTES_VERIFIED, Counter.VIOLATIONS)] == [0, 1, 2, 3, 4, 5, 6, 11]
 assert NUM_FIELDS == 14
-META_BLOCK, META_WARPS = 1024, 8  # positions and warps per program without content (4 positions per lane)
+# positions and warps per program without content: 2 positions per lane, and few enough registers
+# (72 on sm_90) for 3 programs per SM to keep ~1,500 stamp reads in flight there
+META_BLOCK, META_WARPS = 512, 8
 ROWS_PER_PASS = 1024  # rows the window prologue sums at once
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 
