@@ -243,7 +243,7 @@ class Protection:
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         t0, threads = time.perf_counter(), cb_hooks.small_ops_threads(batch)
-        self._stream = runner.inputs_and_outputs.compute_stream  # the forward's stream (None on a CPU)
+        self._stream = getattr(runner.inputs_and_outputs, "compute_stream", None)  # the forward's (None on a CPU)
         try:
             with cb_hooks.on_stream(self._stream):
                 return self._before(runner, batch)
