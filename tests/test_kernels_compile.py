@@ -79,9 +79,8 @@ def compile_all(out_dir):
                                                       HAS_VALID=flag, HAS_EXP_TOK=flag, HAS_EXP_POS=flag,
                                                       HAS_CONTENT=flag), f"write_{flag}", out_dir)
     for chunk, even in ((64, True), (32, False), (2, True)):
-        compile_for_hopper(_content_kernel, CONTENT, dict(BLOCK=min(256, max(16, 2048 // chunk)), CHUNK=chunk, SAME_PS=even,
-                                                                     EVEN=even),
-                           f"content_{chunk}_{even}", out_dir)
+        consts = dict(BLOCK=min(256, max(16, 2048 // chunk)), CHUNK=chunk, SAME_PS=even, EVEN=even)
+        compile_for_hopper(_content_kernel, CONTENT, consts, f"content_{chunk}_{even}", out_dir)
 
 
 def test_every_kernel_compiles_for_hopper_without_spills_and_with_wide_content_loads():

@@ -111,8 +111,9 @@ class SourceTable:
 
     ``table`` is int64: ``count`` source rows (each source's address relative to the table's own,
     and its geometry in 16-byte units), then ``tiles`` tile rows (source, word offset in the slot,
-    index of its first word in the source's fingerprint, words used). ``chunk`` is the tile width in words; ``even``: every tile is full (no column masks);
-    ``same_page_size``: every source has the first one's page size.
+    index of its first word in the source's fingerprint, words used). ``chunk`` is the tile width
+    in words; ``even``: every tile is full (no column masks); ``same_page_size``: every source has
+    the first one's page size.
     """
 
     table: torch.Tensor

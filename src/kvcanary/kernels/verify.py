@@ -208,7 +208,6 @@ def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.T
         exp if exp is not None else dummy, exp.shape[1] if exp is not None else 0,
         first, meta, cursor, src.table, src.count, src.tiles, src.bytes_per_slot, counters, ring, ring.shape[0],
         BLOCK=block, BLOCK_TABLE=step.block_table is not None, HAS_TROWS=step.table_rows is not None,
-        HAS_EXP=exp is not None, HAS_CONTENT=has_content, HAS_WINDOW=window, CHUNK=src.chunk, SAME_PS=src.same_page_size,
-        EVEN=src.even,
-        num_warps=4 if has_content else META_WARPS, **flags,
+        HAS_EXP=exp is not None, HAS_CONTENT=has_content, HAS_WINDOW=window, CHUNK=src.chunk,
+        SAME_PS=src.same_page_size, EVEN=src.even, num_warps=4 if has_content else META_WARPS, **flags,
     )
