@@ -22,13 +22,13 @@ class BlockPool:
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, refcount 0
         self.evictions = 0
         self.hits = 0
-        self.double_frees = 0
 
     def available(self) -> int:
         return len(self.free) + len(self.lru)
 
     def allocate(self) -> int | None:
-        """A block with refcount 1, evicting the least recently used cached block if needed."""
+        """A block with one more reference (1 unless an injected fault left an owned block on the free
+        list: then both owners count), evicting the least recently used cached block if needed."""
         if self.free:
             b = self.free.popleft()
         elif self.lru:
@@ -37,7 +37,7 @@ class BlockPool:
             self.evictions += 1
         else:
             return None
-        self.refs[b] = 1
+        self.refs[b] += 1
         return b
 
     def lookup(self, prefix_hash: int) -> int | None:
@@ -59,10 +59,8 @@ class BlockPool:
 
     def release(self, block: int) -> None:
         """Drop one reference; an unreferenced block goes to the LRU if cached, else to the free list."""
-        if self.refs[block] == 0:  # only after an injected double ownership: counted, not fatal
-            self.double_frees += 1
-            return
         self.refs[block] -= 1
+        assert self.refs[block] >= 0, f"block {block} released more often than taken"
         if self.refs[block] == 0:
             if block in self.hash_of:
                 self.lru[block] = None
