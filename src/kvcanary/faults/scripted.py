@@ -160,10 +160,15 @@ def _table_hook(shift: bool) -> Injector:
                     t[b:] = t[b:].roll(-1)
                 inj.detail.update(request=req.rid, shifted_from_position=b * bs)
             else:
-                foreign_blocks = [b for r in e.running if r is not req for b in r.blocks if b not in req.blocks]
+                victim_pos = rng.randrange(req.computed)
+                own = req.blocks[victim_pos // bs]
+                # the redirected slots (the whole block for a block table) holding the very same
+                # bytes (an unshared copy of the same prefix) would be harmless: only a differing one is a fault
+                span = range(bs) if step.slot_table is None else [victim_pos % bs]
+                foreign_blocks = [b for r in e.running if r is not req for b in r.blocks if b not in req.blocks
+                                  and not _same_bytes(e, [b * bs + o for o in span], [own * bs + o for o in span])]
                 if not foreign_blocks:
                     return False
-                victim_pos = rng.randrange(req.computed)
                 foreign = rng.choice(foreign_blocks) * bs + victim_pos % bs
                 if step.slot_table is not None:
                     step.slot_table[i, victim_pos] = foreign
@@ -177,6 +182,12 @@ def _table_hook(shift: bool) -> Injector:
         return inj
 
     return inject
+
+
+def _same_bytes(e: ScriptedEngine, a: list[int], b: list[int]) -> bool:
+    """Slots ``a`` hold the same KV bytes as slots ``b``, pairwise, in every layer."""
+    sa, sb = torch.tensor(a), torch.tensor(b)
+    return all(torch.equal(view[sa], view[sb]) for pair in e.kv for view in pair)
 
 
 def _step_hook(point: str, mutate: Callable[[ScriptedEngine, Step, random.Random, dict], bool]) -> Injector:
