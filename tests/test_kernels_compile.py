@@ -58,7 +58,7 @@ def compile_for_hopper(fn, signature, constexprs, tag, out_dir, num_warps=4):
 
 
 def compile_all(out_dir):
-    from kvcanary.kernels.content import _content_kernel
+    from kvcanary.kernels.content import _content_kernel, content_block
     from kvcanary.kernels.stamp import _block_aggregates, _carry, _write_kernel
     from kvcanary.kernels.verify import _verify_kernel, _window_kernel
 
@@ -79,7 +79,7 @@ def compile_all(out_dir):
                                                       HAS_VALID=flag, HAS_EXP_TOK=flag, HAS_EXP_POS=flag,
                                                       HAS_CONTENT=flag), f"write_{flag}", out_dir)
     for chunk, even in ((64, True), (32, False), (2, True)):
-        consts = dict(BLOCK=min(256, max(16, 2048 // chunk)), CHUNK=chunk, SAME_PS=even, EVEN=even)
+        consts = dict(BLOCK=content_block(chunk), CHUNK=chunk, SAME_PS=even, EVEN=even)
         compile_for_hopper(_content_kernel, CONTENT, consts, f"content_{chunk}_{even}", out_dir)
 
 

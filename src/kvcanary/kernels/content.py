@@ -23,9 +23,10 @@ def _content_kernel(slots, out, n, num_slots, src, nsrc, ntiles, BLOCK: tl.const
     tl.store(out + i, tl.where(ok, i64(fp), 0), mask=m)
 
 
-def content_block(src: SourceTable) -> int:
-    """Slots per program of a content tile for ``src`` (at most 256: the per-slot state stays in registers)."""
-    return min(256, max(16, TILE // src.chunk))
+def content_block(chunk: int) -> int:
+    """Slots per program of a content tile ``chunk`` words wide (at most 256: the per-slot state
+    stays in registers)."""
+    return min(256, max(16, TILE // chunk))
 
 
 def content(slots: torch.Tensor, src: SourceTable, num_slots: int, out: torch.Tensor) -> None:
@@ -37,7 +38,7 @@ def content(slots: torch.Tensor, src: SourceTable, num_slots: int, out: torch.Te
     if src.count == 0:
         out.zero_()
         return
-    block = content_block(src)
+    block = content_block(src.chunk)
     _content_kernel[(triton.cdiv(n, block),)](slots, out, n, num_slots, src.table, src.count, src.tiles,
                                               BLOCK=block, CHUNK=src.chunk, SAME_PS=src.same_page_size,
                                               EVEN=src.even)

@@ -108,14 +108,15 @@ def _verify_kernel(
     TOKEN, CONTENT (every entry, or those in the window), EMPTY, BAD_SLOT."""
     r = tl.program_id(0)
     st0, cnt = read_range(r, cached, starts, valid, HAS_STARTS, HAS_VALID)
+    trow = r.to(tl.int64)
+    if HAS_TROWS:
+        trow = tl.load(table_rows + r).to(tl.int64)
+    step_id = tl.load(counters + 0)
     # programs stride over the row's blocks: a row longer than one grid pass still gets every block
     for blk in range(tl.program_id(1), tl.cdiv(cnt, BLOCK).to(tl.int32), tl.num_programs(1)):
         idx = blk * BLOCK + tl.arange(0, BLOCK)
         m = idx < cnt
         p = st0 + idx
-        trow = r.to(tl.int64)
-        if HAS_TROWS:
-            trow = tl.load(table_rows + r).to(tl.int64)
         slot = lookup(table, trow, p, width, span, bs, BLOCK_TABLE)
         has_pred = idx > 0
         pred = tl.where(has_pred, lookup(table, trow, p - 1, width, span, bs, BLOCK_TABLE), -1)
@@ -160,7 +161,6 @@ def _verify_kernel(
         bump(counters + 2, tl.sum((m & linked).to(tl.int64), axis=0))
         bump(counters + 3, tl.sum((m & readable & ~linked).to(tl.int64), axis=0))
         checks = tl.where(m, checks, 0)
-        step_id = tl.load(counters + 0)
         rr = r.to(tl.int64) + p * 0
         record(ring, counters, cap, checks != 0, 14,
                (p * 0, checks, step_id + p * 0, rr, slot, p, etok, s_tok, s_pos, exp_link, s_link, exp_cont, s_cont,
@@ -188,7 +188,7 @@ def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.T
     has_content = src.count > 0
     window = has_content and content_slots is not None
     if block is None:
-        block = content_block(src) if has_content else META_BLOCK
+        block = content_block(src.chunk) if has_content else META_BLOCK
     dummy = step.cached_lens
     starts = step.read_starts if step.read_starts is not None else dummy
     valid = step.row_valid if step.row_valid is not None else dummy
