@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -10,11 +11,12 @@ from kvcanary.layout import ByteSource, KvLayout
 from kvcanary.step import Step
 
 
-def paged_layout(num_blocks: int, block_size: int, row: int = 32, nsrc: int = 2, seed: int = 0) -> KvLayout:
+def paged_layout(num_blocks: int, block_size: int, row: int = 32, nsrc: int = 2, seed: int = 0,
+                 device: torch.device | str = "cpu") -> KvLayout:
     g = torch.Generator().manual_seed(seed)
     return KvLayout(tuple(
-        ByteSource.from_tensor(f"s{i}", torch.randint(0, 256, (num_blocks, block_size, row), dtype=torch.uint8, generator=g),
-                               page_size=block_size)
+        ByteSource.from_tensor(f"s{i}", torch.randint(0, 256, (num_blocks, block_size, row), dtype=torch.uint8,
+                                                      generator=g).to(device), page_size=block_size)
         for i in range(nsrc)
     ))
 
@@ -98,3 +100,22 @@ def prefill_of(step: Step, stoks: list[list[int]]) -> Step:
         block_table=step.block_table[:nvalid] if step.block_table is not None else None,
         block_size=step.block_size,
     )
+
+
+def step_to(step: Step, device: torch.device | str) -> Step:
+    """``step`` with every tensor field moved to ``device`` (in place; returned for chaining)."""
+    for f in step.__dataclass_fields__:
+        v = getattr(step, f)
+        if isinstance(v, torch.Tensor):
+            setattr(step, f, v.to(device))
+    return step
+
+
+def clone_step(step: Step) -> Step:
+    """A copy of ``step`` whose tensors are copies too."""
+    out = copy.copy(step)
+    for f in step.__dataclass_fields__:
+        v = getattr(step, f)
+        if isinstance(v, torch.Tensor):
+            setattr(out, f, v.clone())
+    return out

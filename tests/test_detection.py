@@ -183,16 +183,18 @@ def test_write_outside_the_pool_is_reported_and_not_stamped(backend):
     from kvcanary import Step
     from kvcanary.violations import Counter
 
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # the interpreter on a CPU
     num_slots = 64
-    canary = Canary(num_slots, config=CanaryConfig(mode="log", backend=backend, validate=False))
-    slots = torch.arange(60, 66)  # 64 and 65 are outside the pool; the table agrees with the writes
-    step = Step(cached_lens=torch.tensor([0]), new_offsets=torch.tensor([0, 6]), new_tokens=torch.arange(6) + 100,
-                new_positions=torch.arange(6), new_slots=slots, slot_table=slots.view(1, 6))
+    canary = Canary(num_slots, config=CanaryConfig(mode="log", backend=backend, validate=False), device=dev)
+    slots = torch.arange(60, 66, device=dev)  # 64 and 65 are outside the pool; the table agrees with the writes
+    step = Step(cached_lens=torch.tensor([0], device=dev), new_offsets=torch.tensor([0, 6], device=dev),
+                new_tokens=torch.arange(6, device=dev) + 100, new_positions=torch.arange(6, device=dev),
+                new_slots=slots, slot_table=slots.view(1, 6))
     before = canary.stamps.clone()
     canary.after_forward(step)
     v = canary.poll()
     assert canary.internal_errors == 0
     assert [(x.site, x.checks, x.slot, x.position) for x in v] == [(Site.WRITE, Check.BAD_SLOT, s, s - 60)
                                                                   for s in (64, 65)]
-    assert torch.equal(canary.stamps[:60], before[:60]) and (canary.stamps[60:64, 1] == torch.arange(4)).all()
+    assert torch.equal(canary.stamps[:60], before[:60]) and (canary.stamps[60:64, 1].cpu() == torch.arange(4)).all()
     assert int(canary.ring.counters[Counter.SLOTS_STAMPED]) == 4

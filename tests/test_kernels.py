@@ -3,7 +3,6 @@
 Without a GPU they run under ``TRITON_INTERPRET=1`` on CPU tensors (small cases); with one, on CUDA.
 """
 
-import copy
 import os
 import random
 
@@ -19,7 +18,7 @@ from kvcanary.kernels._common import source_table
 from kvcanary.kernels.content import content
 from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS, Counter
 
-from factories import prefill_of, random_step
+from factories import clone_step, prefill_of, random_step, step_to
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -88,8 +87,8 @@ def test_verify_and_stamp_match_torch(bs, kind, lay):
         lens = [(long_row, rng.randint(0, 3))] + [(rng.randint(0, 20), rng.randint(0, 40)) for _ in range(2)]
         step, stoks = random_step(rng, nb * bs, bs, lens, kind, rng.randint(0, 2), rng.random() < 0.5,
                                   rng.choice([None, 5]))
-        step = _to(step, DEV)
-        pre = _to(prefill_of(step, stoks), DEV)
+        step = step_to(step, DEV)
+        pre = step_to(prefill_of(step, stoks), DEV)
         st_t = checks.new_stamps(nb * bs, DEV)
         st_k = st_t.clone()
         c_t, c_k = _zeros(), _zeros()
@@ -134,6 +133,8 @@ def test_content_matches_fingerprint(lay):
     assert torch.equal(out, want), first_mismatch(out, want)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the scripted engine's pool is on the CPU, and the Triton "
+                    "interpreter is off where CUDA is present (the GPU parity tests above cover the kernels there)")
 def test_canary_triton_backend_equals_torch_backend_on_an_engine_run():
     stats = {}
     for backend in ("torch", "triton"):
@@ -157,6 +158,12 @@ def test_dispatch():
         Canary(8, device="meta")
 
 
+def test_triton_on_a_cpu_pool_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UnsupportedError, match="backend 'triton' on a CPU pool .* TRITON_INTERPRET=1"):
+        Canary(8, config=CanaryConfig(backend="triton"))
+
+
 @pytest.mark.parametrize("graph", [False, pytest.param(True, marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU"))])
 @pytest.mark.parametrize("budget", [None, 4096])
@@ -170,11 +177,8 @@ def test_cuda_graph_replay_matches_eager(budget, graph):
     layout = make_layout("paged", nb, bs, 5)
     lens = [(40, 1), (70, 3), (33, 300)]  # the 300-token chunk spans several scan blocks
     step, stoks = random_step(rng, nb * bs, bs, lens, "block")
-    step, pre = _to(step, DEV), _to(prefill_of(step, stoks), DEV)
-    other = copy.copy(step)  # same shapes and cached prefix; other new tokens, a redirected block, a torn byte
-    for f in step.__dataclass_fields__:
-        if isinstance(getattr(step, f), torch.Tensor):
-            setattr(other, f, getattr(step, f).clone())
+    step, pre = step_to(step, DEV), step_to(prefill_of(step, stoks), DEV)
+    other = clone_step(step)  # same shapes and cached prefix; other new tokens, a redirected block, a torn byte
     other.new_tokens.random_(0, 1 << 16)
     other.block_table[0, 1] = step.block_table[1, 1]
     cfg = CanaryConfig(mode="log", validate=False, content_budget_bytes=budget, backend="triton")
@@ -219,10 +223,3 @@ def test_cuda_graph_replay_matches_eager(budget, graph):
 def _zeros():
     return torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=DEV)
 
-
-def _to(step, dev):
-    for f in step.__dataclass_fields__:
-        v = getattr(step, f)
-        if isinstance(v, torch.Tensor):
-            setattr(step, f, v.to(dev))
-    return step

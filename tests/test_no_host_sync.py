@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from kvcanary import Canary, CanaryConfig
-from kvcanary.step import Step
 
-from factories import paged_layout, prefill_of, random_step
+from factories import paged_layout, prefill_of, random_step, step_to
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SYNCING_METHODS = ["item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__"]
@@ -81,15 +80,15 @@ def _canary(layout, budget):
 def test_triton_forward_path_never_syncs_the_host(budget, layout_kind):
     rng = random.Random(f"sync-{budget}-{layout_kind}")
     nb, bs = 64, 16
-    layout = paged_layout(nb, bs, row=32, nsrc=2)
+    layout = paged_layout(nb, bs, row=32, nsrc=2, device=DEV)
     if layout_kind == "metadata":
         layout = layout.__class__()
     # a long prefill (several scan blocks) and a decode-like step (one block)
     for lens in ([(300, 2), (20, 5), (0, 40)], [(30, 1), (17, 1), (64, 1)]):
         step, stoks = random_step(rng, nb * bs, bs, lens, "block", pad_rows=1, pad_tokens=True)
         step.expected_new_tokens = step.new_tokens.clone()  # a clean step
-        step = _move(step)
-        pre = _move(prefill_of(step, stoks))
+        step = step_to(step, DEV)
+        pre = step_to(prefill_of(step, stoks), DEV)
         canary = _canary(layout, budget)
         canary.after_forward(pre)  # outside: first launches compile
         with no_host_sync():
@@ -104,10 +103,3 @@ def test_the_guard_catches_a_sync():
     with no_host_sync(), pytest.raises(HostSync, match="step.py"):
         step.validate_values(256)  # reads values: fine on the torch path, never on the forward path
 
-
-def _move(step: Step) -> Step:
-    for f in step.__dataclass_fields__:
-        v = getattr(step, f)
-        if isinstance(v, torch.Tensor):
-            setattr(step, f, v.to(DEV))
-    return step

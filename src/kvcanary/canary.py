@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import os
 from typing import Any, Callable, Iterable, TypeVar
 
 import torch
@@ -111,6 +112,11 @@ class Canary:
             if want == "triton":
                 raise UnsupportedError("backend 'triton' needs the triton package (pip install triton)") from None
             return "torch"
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"):
+            raise UnsupportedError(
+                "backend 'triton' on a CPU pool runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before kvcanary's kernels are imported, or use backend 'torch'"
+            )
         return "triton"
 
     @property
