@@ -25,7 +25,7 @@ def new_stamps(num_slots: int, device: torch.device | str = "cpu") -> torch.Tens
     return torch.tensor(EMPTY_STAMP, dtype=torch.int64, device=device).repeat(num_slots, 1)
 
 
-def _rows_of(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rows_of(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For counts ``[R]``: the row of each of ``sum(counts)`` items and each item's index in its row."""
     r = counts.shape[0]
     ends = torch.cumsum(counts, 0)
@@ -99,7 +99,7 @@ def verify(
     """
     num_slots = stamps.shape[0]
     start = step.starts()
-    row, idx = _rows_of(read_counts(step))
+    row, idx = rows_of(read_counts(step))
     pos = start[row] + idx
     slot = step.lookup(row, pos)
     bad = slot.clamp(0, num_slots - 1) != slot
@@ -181,7 +181,7 @@ def stamp(
     """
     offs = step.new_offsets.long()
     counts = offs[1:] - offs[:-1]
-    row, j = _rows_of(counts)
+    row, j = rows_of(counts)
     tok, pos, slot = step.new_tokens.long(), step.new_positions.long(), step.new_slots.long()
     cached = step.cached_lens.long()
     writes = (slot >= 0) & step.valid_rows()[row]

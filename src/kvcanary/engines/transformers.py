@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvcanary import checks
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines import transformers_hooks as cb_hooks
@@ -184,27 +185,29 @@ class Protection:
         cb_hooks.BY_CACHE[cb_hooks.pool_key(cache.cache_tensor)] = self
         self.groups = {name: _Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
 
-    def build_steps(self, runner: Any, batch: dict) -> dict[str, Step]:
+    def build_steps(self, runner: Any, batch: dict, reqs: list | None = None) -> dict[str, Step]:
         """One Step per layer group from a forward's own metadata, on the batch's device.
 
-        Shapes come from the requests' host-side lengths and the index tensors' own sizes, so no
-        device value is read on the host; host-built tensors travel through pinned memory.
+        ``reqs`` are the batch's requests (default: read from the runner). Shapes come from the
+        requests' host-side lengths and the index tensors' own sizes, so no device value is read on
+        the host; host-built tensors travel through pinned memory.
         """
         if batch.get("block_table") is not None:
             raise UnsupportedError(
                 "continuous batching's decode fast path (block tables for flash attention's kv-cache kernel) is "
                 "not covered; run with ContinuousBatchingConfig(max_blocks_per_request=0)")
-        reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
+        if reqs is None:
+            reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
         r = len(reqs)
         if r == 0:
             return {}
         dev = batch["input_ids"].device
         q_host = torch.tensor([fs.query_length for fs in reqs], dtype=torch.int64)
         past_host = torch.tensor([fs.state.position_offset - fs.query_length for fs in reqs], dtype=torch.int64)
-        total = int(q_host.sum())
+        wrow_host, j = checks.rows_of(q_host)
+        total = wrow_host.shape[0]
         width = max(1, int((past_host + q_host).max()))
-        wrow_host = torch.repeat_interleave(torch.arange(r), q_host, output_size=total)
-        wpos_host = past_host[wrow_host] + torch.arange(total) - (torch.cumsum(q_host, 0) - q_host)[wrow_host]
+        wpos_host = past_host[wrow_host] + j
         exp_host = None
         if self.check_tokens:
             exp_host = self._book.streams([fs.state for fs in reqs], (past_host + q_host).tolist(), width)
@@ -242,13 +245,12 @@ class Protection:
         return steps
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
-        t0, threads = time.perf_counter(), cb_hooks.small_ops_threads(batch)
         self._stream = getattr(runner.inputs_and_outputs, "compute_stream", None)  # the forward's (None on a CPU)
+        t0 = time.perf_counter()
         try:
-            with cb_hooks.on_stream(self._stream):
+            with cb_hooks.canary_work(self._stream):
                 return self._before(runner, batch)
         finally:
-            torch.set_num_threads(threads)
             self.seconds += time.perf_counter() - t0
 
     def _before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
@@ -259,7 +261,7 @@ class Protection:
             self._ensure_groups(runner.cache)
             for hook in self.hooks:
                 hook(self, runner, batch)
-            steps = self.build_steps(runner, batch)
+            steps = self.build_steps(runner, batch, list(reqs))
             self.rows[self.forwards] = [fs.state.request_id for fs in reqs]
             self.rows.pop(self.forwards - self.config.history, None)
         except Exception:
@@ -275,17 +277,16 @@ class Protection:
     def after(self, steps: dict[str, Step] | None) -> None:
         if steps is None:
             return
-        t0, threads = time.perf_counter(), cb_hooks.small_ops_threads(steps)
+        t0 = time.perf_counter()
         try:
-            with cb_hooks.on_stream(self._stream):
+            with cb_hooks.canary_work(self._stream):
                 for name, step in steps.items():
                     self.groups[name].canary.after_forward(step)
-            self.forwards += 1
-            self.poll()
+                self.forwards += 1
+                self.poll()
             if self.forwards % 64 == 0 and self.cache is not None:  # requests that left the cache
                 self._book.forget_except({rid for a in self.cache.cache_allocators.values() for rid in a.block_table})
         finally:
-            torch.set_num_threads(threads)
             self.seconds += time.perf_counter() - t0
 
     def offloaded(self, cache: Any, rids: set[str], tables: dict[str, dict[str, list[int]]]) -> None:

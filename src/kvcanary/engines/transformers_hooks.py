@@ -6,7 +6,7 @@ the forward's stream). transformers is imported inside functions only.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -23,13 +23,10 @@ def to_device(dev: torch.device, *tensors: torch.Tensor | None) -> tuple[Any, ..
     return tuple(None if t is None else t.pin_memory().to(dev, non_blocking=True) for t in tensors)
 
 
-def on_stream(stream: Any) -> Any:
-    """Run the canary's device work on the forward's own stream, so it is ordered with the forward."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def small_ops_threads(_: object) -> int:
-    """Run the canary's many small CPU ops on one intra-op thread; returns the count to restore.
+@contextlib.contextmanager
+def canary_work(stream: Any) -> Iterator[None]:
+    """Around the canary's work in a forward: on the forward's own stream (so it is ordered with
+    the forward, drains of the ring included), on one intra-op thread.
 
     The continuous-batching forward runs in a worker thread, where a small op fanned out to the
     intra-op pool costs several times its work (76 us instead of 10 us for a 2k-element
@@ -37,7 +34,11 @@ def small_ops_threads(_: object) -> int:
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return threads
+    try:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---- class-level patches (the CB processor is built inside its worker thread) ---------------
