@@ -17,7 +17,6 @@ from typing import Any, Sequence
 
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
-from kvcanary.violations import Check
 
 
 def _scripted_run(args: argparse.Namespace) -> int:
@@ -140,14 +139,18 @@ def _transformers_run(args: argparse.Namespace) -> int:
     }
     ok = same and st["violations"] == 0 and st["internal_errors"] == 0
     if args.inject:
-        logging.getLogger("kvcanary").setLevel(logging.ERROR)
+        quiet, level = logging.getLogger("kvcanary"), logging.getLogger("kvcanary").level
+        quiet.setLevel(logging.ERROR)  # the report below lists the detections
         faults = [CbFault("flip_shared_byte", at=3, seed=args.seed),
                   CbFault("redirect_table_entry", at=5, seed=args.seed + 1),
                   CbFault("free_shared_block", at=7, seed=args.seed + 2)]
         # every read slot's content is verified in this run, so a flipped byte is found on its next read
-        with protect(model, replace(config, content_budget_bytes=None)) as guard:
-            guard.hooks.extend(faults)
-            generate(False)
+        try:
+            with protect(model, replace(config, content_budget_bytes=None)) as guard:
+                guard.hooks.extend(faults)
+                generate(False)
+        finally:
+            quiet.setLevel(level)
         found = []
         for f in faults:
             hits = [v for v in guard.violations if f.landed_at is not None and v.step >= f.landed_at
@@ -170,14 +173,16 @@ def _transformers_run(args: argparse.Namespace) -> int:
 
 def _caused_by(fault: Any, v: Any, guard: Any) -> bool:
     """Whether violation ``v`` is the injected ``fault`` showing (not another fault's)."""
+    from kvcanary.faults.catalog import META
+    from kvcanary.faults.transformers_cb import full_group
+
     d = fault.detail
     if fault.name == "flip_shared_byte":
         return bool(v.slot == d["slot"])
     if fault.name == "redirect_table_entry":
         return guard.request_of(v) == d["request"]
-    tpp = next(iter(guard.groups.values())).tpp  # a reused block shows as another sequence's stamps
-    reuse = Check.POSITION | Check.LINK | Check.TOKEN | Check.EMPTY
-    return bool(v.checks & reuse) and (v.slot // tpp == d["block"] or guard.request_of(v) in d["readers"])
+    tpp = full_group(guard).tpp  # a reused block shows as another sequence's stamps
+    return bool(v.checks & META) and (v.slot // tpp == d["block"] or guard.request_of(v) in d["readers"])
 
 
 def _demo(args: argparse.Namespace) -> int:

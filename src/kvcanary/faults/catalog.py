@@ -42,7 +42,7 @@ class FaultClass:
     why_missed: str = ""
 
 
-_META = Check.POSITION | Check.LINK | Check.TOKEN | Check.EMPTY
+META = Check.POSITION | Check.LINK | Check.TOKEN | Check.EMPTY  # what a foreign or stale slot trips
 CATALOG: tuple[FaultClass, ...] = (
     FaultClass("bit_flip", Point.COLD, Outcome.DETECT, Check.CONTENT, 1, ("Z16", "Z37", "Z05"),
                "one bit of a cached slot's K or V flips (any layer, any offset)"),
@@ -52,14 +52,14 @@ CATALOG: tuple[FaultClass, ...] = (
                "a whole byte of a cached slot is overwritten (XOR 0xFF)"),
     FaultClass("burst_16b", Point.COLD, Outcome.DETECT, Check.CONTENT, 1, ("Z16", "Z37"),
                "a 16-byte-aligned burst of a cached slot is zeroed"),
-    FaultClass("late_write_after_free", Point.AFTER_FORWARD, Outcome.DETECT, Check.CONTENT | _META, 1,
+    FaultClass("late_write_after_free", Point.AFTER_FORWARD, Outcome.DETECT, Check.CONTENT | META, 1,
                ("Z01", "Z13"),
                "an aborted request's in-flight write lands in a slot already handed to another request"),
-    FaultClass("slot_reused_while_referenced", Point.ALLOCATOR, Outcome.DETECT, _META, 3, ("Z02", "Z10", "Z27"),
+    FaultClass("slot_reused_while_referenced", Point.ALLOCATOR, Outcome.DETECT, META, 3, ("Z02", "Z10", "Z27"),
                "a block still read by a request is freed and given to another request"),
-    FaultClass("table_redirect", Point.TABLE, Outcome.DETECT, _META, 1, ("Z07", "Z23"),
+    FaultClass("table_redirect", Point.TABLE, Outcome.DETECT, META, 1, ("Z07", "Z23"),
                "a table entry points at another request's slot"),
-    FaultClass("table_shift", Point.TABLE, Outcome.DETECT, _META, 1, ("Z14",),
+    FaultClass("table_shift", Point.TABLE, Outcome.DETECT, META, 1, ("Z14",),
                "a request's table is shifted by one slot from a block boundary on"),
     FaultClass("wrong_position", Point.AFTER_FORWARD, Outcome.DETECT, Check.WRITE_POSITION | Check.POSITION, 1,
                ("Z14",), "engine and kernel disagree on the cached length: a token is written at the wrong position"),
@@ -69,7 +69,7 @@ CATALOG: tuple[FaultClass, ...] = (
                "a reload reports success but never writes the destination slots"),
     FaultClass("torn_offload", Point.TRANSFER, Outcome.DETECT, Check.CONTENT, 1, ("Z17", "Z34", "Z04"),
                "a block is restored from a half-finished copy"),
-    FaultClass("prefix_cache_recycled_block", Point.ALLOCATOR, Outcome.DETECT, _META, 1, ("Z03", "Z35", "Z02"),
+    FaultClass("prefix_cache_recycled_block", Point.ALLOCATOR, Outcome.DETECT, META, 1, ("Z03", "Z35", "Z02"),
                "a prefix-cache entry points at a block that was recycled for other tokens"),
     FaultClass("padding_write_into_real_slot", Point.AFTER_FORWARD, Outcome.DETECT, Check.CONTENT, 2, ("Z19",),
                "a padding token's write lands in a real, cached slot"),

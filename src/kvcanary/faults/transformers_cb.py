@@ -31,19 +31,20 @@ class CbFault:
                 if "watch_block" not in self.detail:
                     self.landed_at = self.injected_at
         if self.landed_at is None and self.injected_at is not None:
-            g = _full_group(prot)
+            g = full_group(prot)
             written = g.compact(batch["write_index"][g.index]) // g.tpp
             if bool((written == self.detail["watch_block"]).any()):  # the block's new owner writes it now
                 self.landed_at = prot.forwards
 
 
-def _full_group(prot: Any) -> Any:
+def full_group(prot: Any) -> Any:
+    """The protection's full-attention group (the one the injectors pick blocks from)."""
     return prot.groups.get("full_attention") or next(iter(prot.groups.values()))
 
 
 def _shared_block(prot: Any, rng: random.Random) -> tuple[Any, int] | None:
     """The full-attention group and a block that several requests' tables hold, if there is one."""
-    group = _full_group(prot)
+    group = full_group(prot)
     seen: dict[int, int] = {}
     for blocks in group.allocator.block_table.values():
         for b in set(blocks):
@@ -68,7 +69,7 @@ def flip_shared_byte(prot: Any, runner: Any, batch: dict, rng: random.Random, de
 
 def redirect_table_entry(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
     """Point one fully cached block of a request's table at another request's block."""
-    g = _full_group(prot)
+    g = full_group(prot)
     reqs = runner.inputs_and_outputs.requests_in_batch
     tables = g.allocator.block_table
     cu_k = batch["cu_seq_lens_k"][g.name] if isinstance(batch["cu_seq_lens_k"], dict) else batch["cu_seq_lens_k"]
