@@ -182,7 +182,7 @@ class Canary:
 
     def export_stamps(self, slots: torch.Tensor) -> torch.Tensor:
         """A copy of the stamps of ``slots`` (int64 ``[n, 4]``) to travel with their KV to another tier."""
-        return self.stamps[slots.long()].clone()
+        return self.stamps[slots.long()]  # an index gather: already a copy
 
     @_guarded
     def import_stamps(self, slots: torch.Tensor, stamps: torch.Tensor | None) -> None:

@@ -134,7 +134,7 @@ class ScriptedEngine:
         slots = torch.tensor(self.slots_of(req, 0, req.computed), dtype=torch.int64)
         payload = {
             "count": req.computed,
-            "kv": [[view[slots].clone() for view in pair] for pair in self.kv],
+            "kv": [[view[slots] for view in pair] for pair in self.kv],  # index gathers are copies
             "stamps": self.canary.export_stamps(slots) if self.canary is not None else None,  # type: ignore[attr-defined]
         }
         self._run_hooks("offload", payload)
@@ -155,8 +155,7 @@ class ScriptedEngine:
         self._run_hooks("reload", payload)
         for pair, saved in zip(self.kv, payload["kv"]):
             for view, rows in zip(pair, saved):
-                if rows is not None:
-                    view[slots] = rows
+                view[slots] = rows
         if self.canary is not None:
             self.canary.import_stamps(slots, payload["stamps"])  # type: ignore[attr-defined]
         req.computed = n
@@ -296,16 +295,17 @@ class ScriptedEngine:
         starts = None
         if spec.window is not None:
             starts = (cached_t - spec.window).clamp_min(0)
+        new_tokens = torch.tensor(toks, dtype=torch.int64)
         return Step(
             cached_lens=cached_t,
             new_offsets=torch.tensor(offsets, dtype=torch.int64),
-            new_tokens=torch.tensor(toks, dtype=torch.int64),
+            new_tokens=new_tokens,
             new_positions=torch.tensor(poss, dtype=torch.int64),
             new_slots=torch.tensor(slots, dtype=torch.int64),
             read_starts=starts,
             row_valid=torch.arange(rows) < len(plan),
             expected_tokens=exp,
-            expected_new_tokens=torch.tensor(toks, dtype=torch.int64),  # the requests' own tokens
+            expected_new_tokens=new_tokens.clone(),  # the requests' own tokens (faults edit new_tokens)
             **kw,  # type: ignore[arg-type]
         )
 

@@ -89,7 +89,7 @@ def late_write_after_free(eng: ScriptedEngine, rng: random.Random) -> Injection 
     if req is None:
         return None
     slots = eng.slots_of(req, 0, req.computed)
-    stale = [[view[torch.tensor(slots)].clone() for view in pair] for pair in eng.kv]
+    stale = [[view[torch.tensor(slots)] for view in pair] for pair in eng.kv]  # index gathers are copies
     blocks = list(req.blocks)
     eng.abort(req)
     pool = eng.pool
