@@ -18,7 +18,6 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -26,17 +25,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # the scripted engine's pool lives on the 
 
 from kvcanary import Canary, CanaryConfig  # noqa: E402
 from kvcanary.engines import workload  # noqa: E402
-from kvcanary.engines.scripted import EngineSpec, ScriptedEngine  # noqa: E402
+from kvcanary.engines.scripted import ScriptedEngine  # noqa: E402
+from kvcanary.faults.runner import random_spec  # noqa: E402
 
 
 def one(seed: int, backend: str) -> tuple[dict, torch.Tensor, int, str]:
     rng = random.Random(seed)
-    spec = EngineSpec(num_blocks=rng.choice([16, 24, 48]), block_size=rng.choice([1, 2, 4, 8]),
-                      layout=rng.choice(["flat", "paged", "packed", "head_major", "mla"]),
-                      table=rng.choice(["block", "token"]), chunk_size=rng.choice([1, 4, 16]),
-                      window=rng.choice([None, None, 6]), pad_rows=rng.randint(0, 2), offload=rng.random() < 0.5,
-                      num_layers=2, seed=seed)
-    spec = EngineSpec(**{**asdict(spec), "num_blocks": max(spec.num_blocks, 96 // spec.block_size)})
+    spec = random_spec(rng, seed)
     budget = rng.choice([None, 512, 4096])
     eng = ScriptedEngine(spec)
     c = Canary(eng.num_slots, eng.layout, CanaryConfig(mode="log", backend=backend, validate=True,

@@ -150,19 +150,24 @@ def run_transformers(fc: FaultClass, seed: int, model: Any = None) -> FaultResul
                    guard.describe(hits[0]))
 
 
+def random_spec(rng: random.Random, seed: int) -> EngineSpec:
+    """A randomized scripted engine for soaks: layout, table kind, page size, chunking, window,
+    padding rows and offload drawn from ``rng``; at least 96 slots."""
+    spec = EngineSpec(num_blocks=rng.choice([16, 24, 48]), block_size=rng.choice([1, 2, 4, 8]),
+                      layout=rng.choice(["flat", "paged", "packed", "head_major", "mla"]),  # type: ignore[arg-type]
+                      table=rng.choice(["block", "token"]), chunk_size=rng.choice([1, 4, 16]),  # type: ignore[arg-type]
+                      window=rng.choice([None, None, 6]), pad_rows=rng.randint(0, 2), offload=rng.random() < 0.5,
+                      num_layers=2, seed=seed)
+    return EngineSpec(**{**asdict(spec), "num_blocks": max(spec.num_blocks, 96 // spec.block_size)})
+
+
 def soak(steps: int, seed: int = 0, progress: Callable[[int], None] | None = None) -> dict[str, int]:
     """Randomized clean scripted-engine runs (sharing, eviction, preemption, chunked prefill, offload)
     for ``steps`` steps in total; returns the summed canary counters (``violations`` must be 0)."""
     total: dict[str, int] = {}
     done, k = 0, 0
     while done < steps:
-        rng = random.Random(seed * 1000 + k)
-        spec = EngineSpec(num_blocks=rng.choice([16, 24, 48]), block_size=rng.choice([1, 2, 4, 8]),
-                          layout=rng.choice(["flat", "paged", "packed", "head_major", "mla"]),  # type: ignore[arg-type]
-                          table=rng.choice(["block", "token"]), chunk_size=rng.choice([1, 4, 16]),  # type: ignore[arg-type]
-                          window=rng.choice([None, None, 6]), pad_rows=rng.randint(0, 2), offload=rng.random() < 0.5,
-                          num_layers=2, seed=k)
-        spec = EngineSpec(**{**asdict(spec), "num_blocks": max(spec.num_blocks, 96 // spec.block_size)})
+        spec = random_spec(random.Random(seed * 1000 + k), k)
         eng = ScriptedEngine(spec)
         canary = Canary(eng.num_slots, eng.layout, CanaryConfig(mode="log", scrub_slots=64))
         eng.canary = canary
