@@ -40,7 +40,7 @@ def random_step(
     rows = len(lens) + pad_rows
     width = max([c + n for c, n in lens] + [1])
     tab = torch.zeros(rows, -(-width // block_size), dtype=torch.int64)
-    stoks, offs, toks, poss, slots, exp_new = [], [0], [], [], [], []
+    stoks, offs, toks, poss, slots = [], [0], [], [], []
     k = 0
     for r, ((c, n), nb) in enumerate(zip(lens, blocks_needed)):
         tab[r, :nb] = torch.tensor(perm[k : k + nb])

@@ -104,7 +104,7 @@ def test_callbacks_receive_violations():
     got = []
     rng = random.Random(5)
     c = Canary(NB * BS, paged_layout(NB, BS), CanaryConfig(mode="log"), on_violation=[got.extend])
-    step, stoks = random_step(rng, NB * BS, BS, [(6, 1)])
+    step, _ = random_step(rng, NB * BS, BS, [(6, 1)])
     c.before_forward(step)  # nothing stamped yet: every read is EMPTY
     c.poll()
     assert len(got) == 6 and all(v.checks == Check.EMPTY for v in got)

@@ -53,7 +53,7 @@ def test_flipped_kv_byte_in_any_layer_half_and_offset(layout, where):
 def test_table_entry_pointing_at_another_requests_slot():
     eng = engine(table="token")
     warm(eng)
-    a, b = eng.running[0], eng.running[1]
+    b = eng.running[1]
     victim_pos = 5
     foreign = eng.slots_of(b, victim_pos, victim_pos + 1)[0]
 
