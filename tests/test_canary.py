@@ -134,7 +134,7 @@ def test_config_errors():
         CanaryConfig(ring_capacity=0)
     with pytest.raises(ConfigError, match="less than one slot's 64 content bytes"):
         Canary(NB * BS, paged_layout(NB, BS), CanaryConfig(content_budget_bytes=10))
-    with pytest.raises(ConfigError, match="num_slots: expected 1 .*, got 0"):
+    with pytest.raises(ConfigError, match="num_slots: expected an integer in 1 .*, got 0"):
         Canary(0)
     with pytest.raises(UnsupportedError, match="device: expected cpu or cuda, got meta"):
         Canary(4, device="meta")

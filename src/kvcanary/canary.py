@@ -15,31 +15,46 @@ from kvcanary.config import CanaryConfig
 from kvcanary.errors import ConfigError, KvCanaryError, KvCorruptionError, UnsupportedError
 from kvcanary.layout import KvLayout
 from kvcanary.step import Step
-from kvcanary.violations import Counter, Site, Violation, ViolationRing
+from kvcanary.violations import Counter, Site, Violation, ViolationRing, events
 
 log = logging.getLogger("kvcanary")
 MAX_SLOTS = 1 << 62  # slot ids and byte offsets are int64
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _guarded(fn: F) -> F:
-    """Skip in ``off`` mode; in ``log`` mode count and log internal errors instead of raising."""
+def _guarded(recover: Callable[..., None] | None = None) -> Callable[[F], F]:
+    """Skip in ``off`` mode; in ``log`` and ``quarantine`` mode count and log internal errors
+    instead of raising, then run ``recover(self, *args)``: the slots the failed op should have
+    stamped become unknown, so the canary's own failure never turns into false reports later."""
 
-    @functools.wraps(fn)
-    def wrapper(self: "Canary", *args: Any, **kwargs: Any) -> Any:
-        if self.config.mode == "off":
-            return None
-        if self.config.mode == "raise":
-            return fn(self, *args, **kwargs)
-        try:
-            return fn(self, *args, **kwargs)
-        except Exception as e:  # log mode never raises into the engine
-            self.internal_errors += 1
-            log.error("kvcanary internal error in %s (counted, not raised): %s: %s",
-                      fn.__name__, type(e).__name__, e)
-            return None
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(self: "Canary", *args: Any, **kwargs: Any) -> Any:
+            if self.config.mode == "off" or self.disabled:
+                return None
+            if self.config.mode == "raise":
+                return fn(self, *args, **kwargs)
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:  # log mode never raises into the engine
+                self.note_internal_error(fn.__name__, e)
+                if recover is not None:
+                    self._recover(recover, *args)
+                return None
 
-    return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]
+
+    return deco
+
+
+def _forget_written(self: "Canary", step: Step, *_: Any) -> None:
+    slots = step.new_slots.long()
+    self.forget(slots[(slots >= 0) & (slots < self.num_slots)])
+
+
+def _forget_slots(self: "Canary", slots: torch.Tensor, *_: Any) -> None:
+    slots = slots.long()
+    self.forget(slots[(slots >= 0) & (slots < self.num_slots)])
 
 
 class Canary:
@@ -47,7 +62,8 @@ class Canary:
 
     Call :meth:`before_forward` with the step before the engine's forward reads the cache,
     :meth:`after_forward` after the forward wrote its new KV, and :meth:`poll` whenever the host
-    may sync to drain and report violations.
+    may sync to drain and report violations. Tell it when the engine frees slots
+    (:meth:`release`): a read of a released slot before a new write is ``EMPTY``.
 
     Parameters
     ----------
@@ -55,7 +71,8 @@ class Canary:
     layout : where each slot's KV bytes live; ``None`` or empty for metadata-only checks
     config : see :class:`CanaryConfig`
     device : the pool's device (default: the layout's, else CPU)
-    on_violation : callbacks called with each batch of drained violations (quarantine hooks)
+    on_violation : callbacks called with each batch of drained violations (quarantine hooks); in
+        ``log`` and ``quarantine`` mode a callback that raises is counted as an internal error
     """
 
     def __init__(
@@ -66,18 +83,28 @@ class Canary:
         device: torch.device | str | None = None,
         on_violation: Iterable[Callable[[list[Violation]], None]] = (),
     ) -> None:
+        if config is not None and not isinstance(config, CanaryConfig):
+            raise ConfigError(f"config: expected a CanaryConfig, got {type(config).__name__} {config!r}")
         self.config = config or CanaryConfig()
-        if not 0 < num_slots < MAX_SLOTS:
-            raise ConfigError(f"num_slots: expected 1 .. {MAX_SLOTS - 1}, got {num_slots}")
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 < num_slots < MAX_SLOTS:
+            raise ConfigError(f"num_slots: expected an integer in 1 .. {MAX_SLOTS - 1}, got {num_slots!r}")
+        if layout is not None and not isinstance(layout, KvLayout):
+            raise ConfigError(f"layout: expected a KvLayout or None, got {type(layout).__name__}")
         layout = layout or KvLayout()
         if device is None:
             device = layout.sources[0].tensor.device if layout.sources else torch.device("cpu")
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"device: expected a torch device or its name, got {device!r} ({e})") from None
         if self.device.type not in ("cpu", "cuda"):
             raise UnsupportedError(f"device: expected cpu or cuda, got {self.device.type}")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise UnsupportedError(f"device: {self.device} was asked for, but this torch build sees no CUDA device")
         if layout.sources and layout.sources[0].tensor.device != self.device:
             raise ConfigError(f"layout lives on {layout.sources[0].tensor.device}, the canary on {self.device}")
         layout.check_covers(num_slots)
+        _check_stamp_memory(num_slots, self.device)
         self.num_slots = num_slots
         self.layout = layout if self.config.content == "all" else KvLayout()
         per_slot = self.layout.content_bytes_per_slot
@@ -99,6 +126,7 @@ class Canary:
         self.cursor = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.scrub_cursor = 0
         self.internal_errors = 0
+        self.disabled = False  # set when even forgetting every stamp failed: nothing is checked after
         self.history: collections.deque[Violation] = collections.deque(maxlen=self.config.history)
         self.callbacks = list(on_violation)
 
@@ -123,6 +151,54 @@ class Canary:
     def step_id(self) -> int:
         return int(self.ring.counters[Counter.STEPS])
 
+    # ---- failures of the canary's own ---------------------------------------------------------
+
+    def note_internal_error(self, where: str, e: BaseException) -> None:
+        """Count an internal error and log it (the first ones with a traceback, then one line each)."""
+        self.internal_errors += 1
+        if self.internal_errors <= 3:
+            log.error("kvcanary internal error in %s (counted, not raised)", where, exc_info=e)
+        else:
+            log.error("kvcanary internal error in %s (counted, not raised): %s: %s", where, type(e).__name__, e)
+
+    def _recover(self, recover: Callable[..., None], *args: Any) -> None:
+        try:
+            recover(self, *args)
+        except Exception:
+            self.forget_all()
+
+    def forget(self, slots: torch.Tensor) -> None:
+        """Put ``slots`` (int ``[n]``, in the pool) in the unknown state: their KV was or may have been
+        written while the canary was not watching. Reads of them are counted as unverifiable, never
+        reported, until the engine writes them again (stamped) or frees them (:meth:`release`)."""
+        checks.set_state(self.stamps, self._slots_arg("slots", slots), checks.UNKNOWN_STAMP)
+
+    def forget_all(self) -> None:
+        """Put every slot in the unknown state (after a failure whose damage cannot be bounded)."""
+        try:
+            checks.set_state(self.stamps, None, checks.UNKNOWN_STAMP)
+        except Exception as e:  # the pool cannot even be written: stop checking rather than guess
+            self.disabled = True
+            log.error("kvcanary: could not reset the stamp pool (%s: %s); this canary stops checking",
+                      type(e).__name__, e)
+
+    def _slots_arg(self, name: str, slots: Any) -> torch.Tensor:
+        """``slots`` as int64 on the pool's device, checked: a 1-d integer tensor of slots in the pool."""
+        if not isinstance(slots, torch.Tensor):
+            raise KvCanaryError(f"{name}: expected a 1-d integer torch.Tensor of slot ids, got {type(slots).__name__}")
+        if slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
+            raise KvCanaryError(f"{name}: expected a 1-d integer tensor, got {slots.dtype} {tuple(slots.shape)}")
+        if slots.device != self.device:
+            raise KvCanaryError(f"{name}: expected slots on {self.device} (the pool's device), got {slots.device}")
+        if self.validate and slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 0 or hi >= self.num_slots:
+                bad = lo if lo < 0 else hi
+                raise KvCanaryError(f"{name}: expected slot ids in [0, {self.num_slots}), got {bad}")
+        return slots.long()
+
+    # ---- the forward path ---------------------------------------------------------------------
+
     def _prepare(self, step: Step) -> None:
         step.validate_shapes()
         if step.cached_lens.device != self.device:
@@ -131,7 +207,7 @@ class Canary:
             step.validate_values(self.num_slots)
             step._validated_for = self.num_slots  # type: ignore[attr-defined]  # once per step object
 
-    @_guarded
+    @_guarded()
     def before_forward(self, step: Step) -> None:
         """Verify every cached slot the step's attention will read (position, link, token, content)."""
         self._prepare(step)
@@ -145,7 +221,7 @@ class Canary:
                              self.content_slots, self.step_id)
         self.ring.append(rows)
 
-    @_guarded
+    @_guarded(_forget_written)
     def after_forward(self, step: Step) -> None:
         """Stamp every slot the step wrote, fingerprinting its KV bytes, and check the writes."""
         self._prepare(step)
@@ -158,83 +234,134 @@ class Canary:
             self.ring.append(rows)
         self.ring.counters[Counter.STEPS] += 1
 
-    @_guarded
+    @_guarded()
     def scrub(self, slots: torch.Tensor | None = None) -> None:
         """Re-fingerprint cached slots and compare with their stamps.
 
         With ``slots``, those slots; otherwise the next ``config.scrub_slots`` slots of a patrol
         that walks the whole pool round-robin (a full pass every ``num_slots / scrub_slots`` calls).
-        Unstamped and released slots are passed over.
+        Unstamped, released and unknown slots are passed over.
         """
         if slots is None:
             n = min(self.config.scrub_slots, self.num_slots)
             slots = (torch.arange(n, device=self.device) + self.scrub_cursor) % self.num_slots
             self.scrub_cursor = (self.scrub_cursor + n) % self.num_slots
-        elif slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
-            raise KvCanaryError(f"slots: expected a 1-d integer tensor, got {slots.dtype} {tuple(slots.shape)}")
-        rows = checks.scrub(self.stamps, self.layout, slots.long(), self.ring.counters, self.step_id)
+        else:
+            slots = self._slots_arg("slots", slots)
+        rows = checks.scrub(self.stamps, self.layout, slots, self.ring.counters, self.step_id)
         self.ring.append(rows)
 
-    @_guarded
+    @_guarded(_forget_slots)
     def release(self, slots: torch.Tensor) -> None:
         """Forget the stamps of freed ``slots``: a later read of them before a write is ``EMPTY``."""
-        self.stamps[slots.long()] = torch.tensor(checks.EMPTY_STAMP, dtype=torch.int64, device=self.device)
+        checks.set_state(self.stamps, self._slots_arg("slots", slots), checks.EMPTY_STAMP)
 
-    def export_stamps(self, slots: torch.Tensor) -> torch.Tensor:
-        """A copy of the stamps of ``slots`` (int64 ``[n, 4]``) to travel with their KV to another tier."""
-        return self.stamps[slots.long()]  # an index gather: already a copy
+    @_guarded()
+    def export_stamps(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """A copy of the stamps of ``slots`` (int64 ``[n, 4]``) to travel with their KV to another tier.
 
-    @_guarded
+        ``None`` where the canary could not read them (an internal error, counted): pass that on
+        to :meth:`import_stamps`, which marks the landed slots unknown.
+        """
+        return self.stamps[self._slots_arg("slots", slots)]  # an index gather: already a copy
+
+    @_guarded(_forget_slots)
     def import_stamps(self, slots: torch.Tensor, stamps: torch.Tensor | None) -> None:
         """Install stamps that travelled with KV now landed in ``slots``, and verify the landed bytes.
 
         Every landed slot is re-fingerprinted at once, so a copy that landed nothing, landed
         torn, or landed another block's bytes is reported (site ``transfer``). ``stamps=None``
-        (a tier that lost them) marks the slots unstamped, so a read reports ``EMPTY``.
+        (stamps that could not travel) puts the slots in the unknown state: the canary lost
+        track of them, which is not evidence of corruption.
         """
-        slots = slots.long()
+        slots = self._slots_arg("slots", slots)
         if stamps is None:
-            self.release(slots)
+            self.forget(slots)
             return
-        if stamps.shape != (slots.shape[0], 4):
-            raise KvCanaryError(f"stamps: expected shape ({slots.shape[0]}, 4), got {tuple(stamps.shape)}")
+        if not isinstance(stamps, torch.Tensor) or stamps.shape != (slots.shape[0], 4):
+            got = tuple(stamps.shape) if isinstance(stamps, torch.Tensor) else type(stamps).__name__
+            raise KvCanaryError(f"stamps: expected shape ({slots.shape[0]}, 4), got {got}")
         self.stamps[slots] = stamps.to(self.device, torch.int64)
         rows = checks.scrub(self.stamps, self.layout, slots, self.ring.counters, self.step_id, Site.TRANSFER)
         self.ring.append(rows)
 
-    def poll(self) -> list[Violation]:
-        """Drain the violations recorded since the last poll, report them and return them.
+    # ---- reporting ----------------------------------------------------------------------------
 
-        ``log`` mode logs each one; ``raise`` mode raises :class:`KvCorruptionError` carrying them.
-        """
-        if self.config.mode == "off":
+    def drain(self) -> list[Violation]:
+        """Decode the violations recorded since the last drain and keep them in ``history``; reports
+        nothing (engine adapters that annotate records before reporting use this, then :func:`report`)."""
+        if self.config.mode == "off" or self.disabled:
             return []
         try:
-            lost_before = self.ring.lost
             found = self.ring.drain()
-            lost = self.ring.lost - lost_before
         except Exception as e:
             if self.config.mode == "raise":
                 raise
-            self.internal_errors += 1
-            log.error("kvcanary internal error in poll (counted, not raised): %s: %s", type(e).__name__, e)
-            return []
-        if not found:
+            self.note_internal_error("drain", e)
             return []
         self.history.extend(found)
-        for cb in self.callbacks:
-            cb(found)
-        if self.config.mode == "raise":
-            raise KvCorruptionError(found, lost)
-        for v in found:
-            log.warning("kvcanary violation %s", v.describe())
-        if lost:
-            log.warning("kvcanary: %d violations overflowed the ring before they were drained", lost)
+        return found
+
+    def poll(self) -> list[Violation]:
+        """Drain the violations recorded since the last poll, report them and return them.
+
+        ``log`` and ``quarantine`` mode log one line per event (step and row) and call the
+        ``on_violation`` callbacks; ``raise`` mode calls them, then raises
+        :class:`KvCorruptionError` carrying the records.
+        """
+        lost_before = self.ring.lost
+        found = self.drain()
+        lost = self.ring.lost - lost_before
+        errors = report(found, lost, self.config.mode, self.callbacks)
+        self.internal_errors += errors
         return found
 
     def stats(self) -> dict[str, int]:
-        """Counters (slots verified and stamped, bytes fingerprinted, violations, ...)."""
+        """Counters (slots verified and stamped, bytes fingerprinted, violations, unverifiable reads, ...)."""
         out = self.ring.counter_values()
         out["violations_lost"] = self.ring.lost
         out["internal_errors"] = self.internal_errors
         return out
+
+
+def report(found: list[Violation], lost: int, mode: str,
+           callbacks: Iterable[Callable[[list[Violation]], None]] = ()) -> int:
+    """Report drained violations: callbacks first, then one log line per event, or in ``raise``
+    mode :class:`KvCorruptionError`. Returns how many callbacks failed (counted as internal errors
+    by the caller; in ``raise`` mode a failing callback raises)."""
+    if not found and not lost:
+        return 0
+    errors = 0
+    for cb in callbacks:
+        if mode == "raise":
+            cb(found)
+            continue
+        try:
+            cb(found)
+        except Exception:
+            errors += 1
+            log.exception("kvcanary: an on_violation callback raised (counted, not raised)")
+    if mode == "raise":
+        raise KvCorruptionError(found, lost)
+    for ev in events(found):
+        log.warning("kvcanary violation %s", ev.describe())
+    if lost:
+        log.warning("kvcanary: %d violations overflowed the ring before they were drained", lost)
+    return errors
+
+
+def _check_stamp_memory(num_slots: int, device: torch.device) -> None:
+    """Refuse a stamp pool that cannot fit, before allocating it."""
+    need = num_slots * 4 * 8
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # all of it: page cache is reclaimable
+        except (ValueError, OSError, AttributeError):
+            return
+    if need > free:
+        raise ConfigError(
+            f"num_slots: {num_slots} slots need {need / 2**30:.1f} GiB of stamps (32 bytes a slot); "
+            f"{device} has {free / 2**30:.1f} GiB {'free' if device.type == 'cuda' else 'in all'}"
+        )

@@ -15,7 +15,12 @@ from kvcanary.step import Step
 from kvcanary.violations import NUM_FIELDS, Check, Counter, Site
 
 TOKEN, POSITION, LINK, CONTENT = 0, 1, 2, 3
-EMPTY_STAMP = (-1, -1, 0, 0)
+# A slot's state is in its position column: >= 0 stamped, EMPTY (never written, or released when the
+# engine freed it: a read is a violation), UNKNOWN (written while this canary was not watching: a
+# canary attached to a warm engine, or one of its own ops failed; a read is counted, never reported)
+EMPTY_POS, UNKNOWN_POS = -1, -2
+EMPTY_STAMP = (-1, EMPTY_POS, 0, 0)
+UNKNOWN_STAMP = (-1, UNKNOWN_POS, 0, 0)
 _SEED = hashing.signed(hashing.LINK_SEED)
 _B = hashing.signed(hashing.LINK_B)
 
@@ -23,6 +28,15 @@ _B = hashing.signed(hashing.LINK_B)
 def new_stamps(num_slots: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A stamp pool of ``num_slots`` empty stamps, int64 ``[num_slots, 4]``."""
     return torch.tensor(EMPTY_STAMP, dtype=torch.int64, device=device).repeat(num_slots, 1)
+
+
+def set_state(stamps: torch.Tensor, slots: torch.Tensor | None, stamp: tuple[int, int, int, int]) -> None:
+    """Overwrite the stamps of ``slots`` (int64 ``[n]``; ``None``: every slot) with ``stamp``."""
+    value = torch.tensor(stamp, dtype=torch.int64, device=stamps.device)
+    if slots is None:
+        stamps[:] = value
+    else:
+        stamps[slots] = value
 
 
 def rows_of(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +119,13 @@ def verify(
     bad = slot.clamp(0, num_slots - 1) != slot
     sl = torch.where(bad, 0, slot)  # a bad slot's record shows slot 0's stamp, as the kernels do
     s_tok, s_pos, s_link, s_cont = stamps[sl].unbind(1)
-    empty = (s_pos == -1) & ~bad
-    readable = ~(bad | empty)
-    # a row's entries are consecutive: an entry's predecessor is the previous entry
+    empty = (s_pos == EMPTY_POS) & ~bad
+    unknown = (s_pos == UNKNOWN_POS) & ~bad
+    readable = ~(bad | empty | unknown)
+    # a row's entries are consecutive: an entry's predecessor is the previous entry; an unknown
+    # predecessor's link says nothing about this slot's
     has_pred = idx > 0
-    pred_ok = has_pred & ~bad.roll(1)
+    pred_ok = has_pred & ~bad.roll(1) & ~unknown.roll(1)
     linked = readable & ((pos == 0) | pred_ok)
     prev_link = torch.where(pos == 0, _SEED, s_link.roll(1))
     exp_link = torch.where(linked, hashing.link_next(prev_link, s_tok, s_pos), 0)
@@ -144,7 +160,7 @@ def verify(
 
     nlinked = int(linked.sum())
     _bump(counters, (Counter.SLOTS_VERIFIED, n), (Counter.LINKS_CHECKED, nlinked),
-          (Counter.LINKS_UNCHECKED, int(readable.sum()) - nlinked))
+          (Counter.LINKS_UNCHECKED, int(readable.sum()) - nlinked), (Counter.SLOTS_UNVERIFIABLE, int(unknown.sum())))
     if not bool(failed.any()):  # the clean path builds no violation rows
         return torch.empty(0, NUM_FIELDS, dtype=torch.int64, device=pos.device)
     checks = (bad * int(Check.BAD_SLOT) + empty * int(Check.EMPTY) + pos_bad * int(Check.POSITION)

@@ -11,11 +11,11 @@ from typing import Any, Callable, Literal
 
 from kvcanary.errors import ConfigError
 
-Mode = Literal["off", "log", "raise"]
+Mode = Literal["off", "log", "raise", "quarantine"]
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
 Content = Literal["none", "all"]
-MODES = ("off", "log", "raise")
+MODES = ("off", "log", "raise", "quarantine")
 AUTO_BUDGET = {"cpu": 256 << 10, "cuda": 256 << 20}
 CONTENTS = ("none", "all")
 
@@ -26,7 +26,9 @@ class CanaryConfig:
 
     Parameters
     ----------
-    mode : ``off`` (engine untouched), ``log`` (report, never raise), ``raise`` (``poll`` raises)
+    mode : ``off`` (engine untouched), ``log`` (report, never raise), ``raise`` (``poll`` raises),
+        ``quarantine`` (report, never raise; engine adapters fail the requests that read corrupted
+        KV and drop the poisoned blocks from the prefix cache, the rest of the batch goes on)
     content : ``all`` fingerprints every byte of every layout source; ``none`` checks metadata only
     content_budget_bytes : KV bytes re-fingerprinted per verify: ``"auto"`` (256 KiB on a CPU, 256 MiB on
         a GPU), a number, or ``None`` for every read slot; the window rotates across steps and what it

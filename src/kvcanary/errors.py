@@ -39,22 +39,31 @@ class UnsupportedError(KvCanaryError, RuntimeError):
 
 
 class KvCorruptionError(KvCanaryError, RuntimeError):
-    """Raised by ``poll()`` in ``raise`` mode when violations were recorded.
+    """Violations found in ``raise`` mode (raised by ``poll()``, and by an engine adapter in the
+    caller's thread), or the error a quarantined request fails with.
 
     Attributes
     ----------
-    violations : the decoded records (at most the ring's capacity)
+    violations : the decoded records (at most the ring's capacity), request ids filled in where
+        the engine adapter knows them
     lost : how many further violations overflowed the ring before they could be drained
+    requests : the ids of the requests the records name, sorted
     """
 
-    def __init__(self, violations: Sequence[Violation], lost: int = 0) -> None:
+    def __init__(self, violations: Sequence[Violation], lost: int = 0, message: str | None = None) -> None:
+        from kvcanary.violations import events
+
         self.violations = list(violations)
         self.lost = lost
-        head = "; ".join(v.describe() for v in self.violations[:3])
-        more = len(self.violations) - 3
-        tail = f" (+{more} more)" if more > 0 else ""
-        lost_s = f", {lost} lost to ring overflow" if lost else ""
-        super().__init__(f"{len(self.violations)} KV-cache violation(s){lost_s}: {head}{tail}")
+        self.requests = sorted({v.request for v in self.violations if v.request is not None})
+        if message is None:
+            evs = events(self.violations)
+            head = "; ".join(e.describe() for e in evs[:3])
+            more = f" (+{len(evs) - 3} more events)" if len(evs) > 3 else ""
+            lost_s = f", {lost} lost to ring overflow" if lost else ""
+            who = f" hurting request(s) {', '.join(self.requests)}" if self.requests else ""
+            message = f"{len(self.violations)} KV-cache violation(s){lost_s}{who}: {head}{more}"
+        super().__init__(message)
 
     @property
     def first(self) -> Violation | None:

@@ -58,6 +58,7 @@ class Counter(enum.IntEnum):
     SLOTS_SCRUBBED = 9
     CONTENT_BYTES_SCRUBBED = 10
     VIOLATIONS = 11
+    SLOTS_UNVERIFIABLE = 12  # read this step but in the unknown state (never seen written by this canary)
 
 
 NUM_COUNTERS = len(Counter)
@@ -88,14 +89,18 @@ class Violation:
     expected_content: int
     stored_content: int
     aux: int
+    request: str | None = None  # the request behind the step row, where the engine adapter knows it
+    group: str | None = None  # the layer group (canary) that found it, where there are several
 
     @classmethod
     def from_row(cls, r: list[int]) -> "Violation":
-        return cls(Site(r[F_SITE]), Check(r[F_CHECKS]), *r[F_STEP:])
+        return cls(Site(r[F_SITE]), Check(r[F_CHECKS]), *r[F_STEP:NUM_FIELDS])
 
     def describe(self) -> str:
         names = "|".join(c.name or "?" for c in Check if c in self.checks)
         where = f"row {self.row} " if self.row >= 0 else ""
+        if self.request is not None:
+            where = f"request {self.request} ({where.strip()}) "
         s = (
             f"[{self.site.name.lower()} step {self.step}] {names}: {where}slot {self.slot} "
             f"position {self.position}"
@@ -162,3 +167,48 @@ class ViolationRing:
     def counter_values(self) -> dict[str, int]:
         vals = self.counters.cpu().tolist()
         return {c.name.lower(): int(vals[c]) for c in Counter}
+
+
+@dataclass(frozen=True)
+class Event:
+    """The violations one step found for one reader: a site, a step, a layer group and a request
+    (or step row), with every per-slot record kept in ``violations``.
+
+    A burst of corrupted slots becomes one event (one log line), not one line per slot.
+    """
+
+    site: Site
+    step: int
+    group: str | None
+    request: str | None
+    row: int
+    checks: Check
+    violations: tuple[Violation, ...]
+
+    @property
+    def slots(self) -> int:
+        return len({v.slot for v in self.violations})
+
+    def describe(self) -> str:
+        names = "|".join(c.name or "?" for c in Check if c in self.checks)
+        who = f"request {self.request}" if self.request is not None else (f"row {self.row}" if self.row >= 0 else "")
+        grp = f" group {self.group}" if self.group is not None else ""
+        first = self.violations[0]
+        return (f"[{self.site.name.lower()} step {self.step}{grp}] {who + ': ' if who else ''}{self.slots} slot(s) "
+                f"failed {names}; first: {first.describe()}")
+
+
+def events(violations: list[Violation]) -> list[Event]:
+    """Group violations into events per (site, step, group, request or row), in order of first sight."""
+    by: dict[tuple[object, ...], list[Violation]] = {}
+    for v in violations:
+        key = (v.site, v.step, v.group, v.request if v.request is not None else v.row)
+        by.setdefault(key, []).append(v)
+    out = []
+    for vs in by.values():
+        checks = Check(0)
+        for v in vs:
+            checks |= v.checks
+        f = vs[0]
+        out.append(Event(f.site, f.step, f.group, f.request, f.row, checks, tuple(vs)))
+    return out

@@ -18,6 +18,7 @@ transformers is imported inside functions only; ``import kvcanary`` never needs 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -25,15 +26,15 @@ from typing import Any, Callable
 import torch
 
 from kvcanary import checks
-from kvcanary.canary import Canary
+from kvcanary.canary import Canary, report
 from kvcanary.config import CanaryConfig
 from kvcanary.engines import transformers_hooks as cb_hooks
 from kvcanary.engines.hf_models import cb_configs, tiny_model
 from kvcanary.engines.token_book import TokenBook
-from kvcanary.errors import UnsupportedError
+from kvcanary.errors import ConfigError, KvCorruptionError, UnsupportedError
 from kvcanary.layout import ByteSource, KvLayout
 from kvcanary.step import Step
-from kvcanary.violations import Violation
+from kvcanary.violations import Check, Violation
 
 __all__ = ["Protection", "protect", "check_version", "group_layout", "tiny_model", "cb_configs"]
 
@@ -93,10 +94,14 @@ class _Group:
         physical = physical.long()
         return torch.div(physical, self.stride, rounding_mode="floor") * self.tpp + physical % self.stride
 
-    def block_slots(self, blocks: list[int]) -> torch.Tensor:
-        b = torch.tensor(blocks, dtype=torch.int64)
+    def block_slots(self, blocks: list[int] | set[int]) -> torch.Tensor:
+        b = torch.tensor(sorted(blocks) if isinstance(blocks, set) else blocks, dtype=torch.int64)
         slots = (b[:, None] * self.tpp + torch.arange(self.tpp)).reshape(-1)
         return cb_hooks.to_device(self.canary.device, slots)[0]
+
+    def holders(self, block: int) -> list[str]:
+        """The requests whose table in this group holds ``block``."""
+        return [rid for rid, blocks in self.allocator.block_table.items() if block in blocks]
 
 
 class Protection:
@@ -104,10 +109,13 @@ class Protection:
 
     Parameters
     ----------
-    model : a transformers model that runs continuous batching
-    config : canary configuration (default ``CanaryConfig(mode="log")``)
+    model : a transformers model that runs continuous batching (has ``generate_batch``)
+    config : canary configuration (default ``CanaryConfig(mode="log")``). ``raise``: the first
+        violation stops the engine and ``generate_batch`` raises :class:`KvCorruptionError` in the
+        caller's thread; ``quarantine``: the requests that read corrupted KV fail with that error,
+        their poisoned blocks leave the prefix cache, and every other request finishes normally
     check_tokens : verify each read slot's token against the request's real token stream
-    on_violation : called with every batch of drained violations
+    on_violation : called with every batch of drained violations (request ids filled in)
     """
 
     def __init__(self, model: Any, config: CanaryConfig | None = None, check_tokens: bool = True,
@@ -115,6 +123,12 @@ class Protection:
         import transformers
 
         check_version(transformers.__version__)
+        if config is not None and not isinstance(config, CanaryConfig):
+            raise ConfigError(f"config: expected a CanaryConfig (e.g. CanaryConfig(mode={config!r})), "
+                              f"got {type(config).__name__} {config!r}")
+        if not callable(getattr(model, "generate_batch", None)) or not hasattr(model, "config"):
+            raise UnsupportedError(f"model: expected a transformers model that runs continuous batching "
+                                   f"(a causal LM with generate_batch), got {type(model).__name__}")
         self.model = model
         self.config = config or CanaryConfig(mode="log")
         self.check_tokens = check_tokens
@@ -126,47 +140,85 @@ class Protection:
         self.seconds = 0.0  # host time spent in the canary's hooks
         self.internal_errors = 0
         self._book = TokenBook()
-        self._offloaded: dict[str, dict[str, torch.Tensor]] = {}
+        self._offloaded: dict[str, dict[str, torch.Tensor | None]] = {}
         self.rows: dict[int, list[str]] = {}  # forward -> request id of each step row
         self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
         self._stream: Any = None
+        self.pending: BaseException | None = None  # raise mode: what generate_batch raises in the caller
+        self.quarantined: dict[str, KvCorruptionError] = {}  # quarantine: request id -> its error
+        self._to_fail: set[str] = set()
+        self._poisoned: dict[str, set[int]] = {}  # group -> blocks whose bytes are bad
+        self._freed: dict[str, dict[int, torch.Tensor]] = {}  # group -> block -> stamps, freed since the last forward
 
     # ---- install / remove -------------------------------------------------------------------
 
     def __enter__(self) -> "Protection":
         if self.config.mode != "off":
+            other = cb_hooks.ACTIVE.get(id(self.model))
+            if other is not None:
+                raise UnsupportedError(
+                    f"model {type(self.model).__name__} is already protected by an active protect(); nested "
+                    f"protection is not supported: use the outer guard, or exit it before protecting again")
             cb_hooks.install()
             cb_hooks.ACTIVE[id(self.model)] = self
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        cb_hooks.ACTIVE.pop(id(self.model), None)
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if cb_hooks.ACTIVE.get(id(self.model)) is self:
+            cb_hooks.ACTIVE.pop(id(self.model))
         if self.cache is not None:
             cb_hooks.BY_CACHE.pop(cb_hooks.pool_key(self.cache.cache_tensor), None)
+            cb_hooks.BY_POOL.pop(id(self.cache.pool), None)
         if not cb_hooks.ACTIVE:
             cb_hooks.uninstall()
+        if exc_type is None:
+            self.raise_pending()  # a raise-mode error that no generate_batch call has raised yet
+
+    def raise_pending(self) -> None:
+        """Raise, in the calling thread, the error that stopped the engine in ``raise`` mode."""
+        err, self.pending = self.pending, None
+        if err is not None:
+            raise err
 
     # ---- reporting ----------------------------------------------------------------------------
 
-    def poll(self) -> list[Violation]:
+    def poll(self, request: str | None = None) -> list[Violation]:
+        """Drain every group's violations, name the request behind each, record them in
+        ``violations``, call ``on_violation``, log one line per event; ``raise`` mode then raises,
+        ``quarantine`` mode marks the readers for failing. ``request``: the request behind
+        violations without a step row (a transfer into its blocks)."""
         found: list[Violation] = []
-        for g in self.groups.values():
-            found += g.canary.poll()
-        if found:
-            self.violations += found
-            if self.on_violation is not None:
-                self.on_violation(found)
+        for name, g in self.groups.items():
+            for v in g.canary.drain():
+                rid = self.request_of(v) if v.row >= 0 else request
+                if rid is None and v.row < 0:
+                    holders = g.holders(v.slot // g.tpp)
+                    rid = holders[0] if holders else None
+                found.append(dataclasses.replace(v, request=rid, group=name))
+        if not found:
+            return found
+        self.violations += found
+        mode = "log" if self.config.mode == "quarantine" else self.config.mode
+        try:
+            self.internal_errors += report(found, 0, mode, [self.on_violation] if self.on_violation else [])
+        except KvCorruptionError as e:
+            self.pending = e
+            raise
+        if self.config.mode == "quarantine":
+            self._mark_for_quarantine(found)
         return found
 
     def request_of(self, v: Violation) -> str | None:
         """The request id behind a verify or write violation's step row, while it is remembered."""
+        if v.request is not None:
+            return v.request
         rids = self.rows.get(v.step, [])
         return rids[v.row] if 0 <= v.row < len(rids) else None
 
     def describe(self, v: Violation) -> str:
         rid = self.request_of(v)
-        group = next((n for n, g in self.groups.items() if v in g.canary.history), "?")
-        return f"{v.describe()} [request {rid}, group {group}]"
+        group = v.group or next((n for n, g in self.groups.items() if v in g.canary.history), "?")
+        return f"{dataclasses.replace(v, request=None).describe()} [request {rid}, group {group}]"
 
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {"forwards": self.forwards, "canary_us": int(self.seconds * 1e6)}
@@ -174,16 +226,60 @@ class Protection:
             for k, v in g.canary.stats().items():
                 out[k] = out.get(k, 0) + v
         out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
+        out["requests_quarantined"] = len(self.quarantined)
         return out
+
+    # ---- the canary's own failures --------------------------------------------------------------
+
+    def _shielded(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the canary's work of one hook on the forward's stream and one thread. A failure of
+        the canary's own never reaches the engine outside ``raise`` mode: it is counted, and every
+        stamp the failure may have left stale becomes unknown, so it never turns into false reports."""
+        t0 = time.perf_counter()
+        try:
+            with cb_hooks.canary_work(self._stream):
+                return fn(*args)
+        except KvCorruptionError:
+            raise  # raise mode only (poll records it as pending first)
+        except Exception as e:
+            if self.config.mode == "raise":
+                self.pending = e
+                raise
+            self.internal_errors += 1
+            log.error("kvcanary internal error in %s (counted, not raised)", where,
+                      exc_info=e if self.internal_errors <= 3 else None)
+            self._recover()
+            return None
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _recover(self) -> None:
+        try:
+            self._book = TokenBook()
+            self._offloaded.clear()
+            for g in self.groups.values():
+                g.canary.forget_all()
+        except Exception:  # nothing more can be done; the counters already say something failed
+            log.exception("kvcanary: recovery after an internal error failed")
 
     # ---- hooks ------------------------------------------------------------------------------------
 
-    def _ensure_groups(self, cache: Any) -> None:
+    def _ensure_groups(self, cache: Any, fresh: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        """Build one canary per layer group the first time a cache is seen. Blocks it already holds
+        were written before the canary was watching (a warm engine): they start unknown, except
+        those of ``fresh`` requests (nothing cached yet, so nothing of theirs was written)."""
         if self.cache is cache:
             return
-        self.cache = cache
+        groups = {name: _Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
+        for g in groups.values():
+            a = g.allocator
+            held = {b for rid, blocks in a.block_table.items() if rid not in fresh for b in blocks}
+            held |= set(a.ledger.cached_blocks) | set(a.ledger.block_to_hash)
+            if held:
+                g.canary.forget(g.block_slots(held))
+        self.groups, self.cache = groups, cache
         cb_hooks.BY_CACHE[cb_hooks.pool_key(cache.cache_tensor)] = self
-        self.groups = {name: _Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
+        cb_hooks.BY_POOL[id(cache.pool)] = self
 
     def build_steps(self, runner: Any, batch: dict, reqs: list | None = None) -> dict[str, Step]:
         """One Step per layer group from a forward's own metadata, on the batch's device.
@@ -246,76 +342,141 @@ class Protection:
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         self._stream = getattr(runner.inputs_and_outputs, "compute_stream", None)  # the forward's (None on a CPU)
-        t0 = time.perf_counter()
-        try:
-            with cb_hooks.canary_work(self._stream):
-                return self._before(runner, batch)
-        finally:
-            self.seconds += time.perf_counter() - t0
+        return self._shielded("the before-forward hook", self._before, runner, batch)  # type: ignore[no-any-return]
 
     def _before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
-        try:
-            reqs = cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch
-            if any(fs.state.request_id.startswith("__warmup") for fs in reqs):
-                return None
-            self._ensure_groups(runner.cache)
-            for hook in self.hooks:
-                hook(self, runner, batch)
-            steps = self.build_steps(runner, batch, list(reqs))
-            self.rows[self.forwards] = [fs.state.request_id for fs in reqs]
-            self.rows.pop(self.forwards - self.config.history, None)
-        except Exception:
-            if self.config.mode == "raise":
-                raise
-            self.internal_errors += 1
-            log.exception("kvcanary internal error while building steps (counted, not raised)")
+        reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
+        if any(fs.state.request_id.startswith("__warmup") for fs in reqs):
             return None
+        self._freed.clear()
+        fresh = {fs.state.request_id for fs in reqs if fs.state.position_offset == fs.query_length}
+        self._ensure_groups(runner.cache, fresh)
+        for hook in self.hooks:
+            hook(self, runner, batch)
+        steps = self.build_steps(runner, batch, reqs)
+        self.rows[self.forwards] = [fs.state.request_id for fs in reqs]
+        self.rows.pop(self.forwards - self.config.history, None)
         for name, step in steps.items():
             self.groups[name].canary.before_forward(step)
         return steps
 
     def after(self, steps: dict[str, Step] | None) -> None:
-        if steps is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            with cb_hooks.canary_work(self._stream):
-                for name, step in steps.items():
-                    self.groups[name].canary.after_forward(step)
-                self.forwards += 1
-                self.poll()
-            if self.forwards % 64 == 0 and self.cache is not None:  # requests that left the cache
-                self._book.forget_except({rid for a in self.cache.cache_allocators.values() for rid in a.block_table})
-        finally:
-            self.seconds += time.perf_counter() - t0
+        if steps is not None:
+            self._shielded("the after-forward hook", self._after, steps)
+
+    def _after(self, steps: dict[str, Step]) -> None:
+        for name, step in steps.items():
+            self.groups[name].canary.after_forward(step)
+        self.forwards += 1
+        self.poll()
+        if self.forwards % 64 == 0 and self.cache is not None:  # requests that left the cache
+            self._book.forget_except({rid for a in self.cache.cache_allocators.values() for rid in a.block_table})
+
+    def released(self, index: int, blocks: list[int]) -> None:
+        """The engine returned ``blocks`` of the group with allocator ``index`` to its free pool."""
+        self._shielded("the block-free hook", self._released, index, blocks)
+
+    def _released(self, index: int, blocks: list[int]) -> None:
+        for name, g in self.groups.items():
+            if g.index == index:
+                slots = g.block_slots(blocks)
+                # the offloading manager frees a victim's blocks before it copies them out: keep their
+                # stamps until the next forward, for the offload hook
+                was = g.canary.export_stamps(slots)
+                if was is not None:
+                    freed = self._freed.setdefault(name, {})
+                    freed.update((b, was[i * g.tpp : (i + 1) * g.tpp]) for i, b in enumerate(blocks))
+                g.canary.release(slots)
+                self._poisoned.get(name, set()).difference_update(blocks)
+
+    def pool_reset(self) -> None:
+        """The engine gave every block back (a cache reset): every slot is free."""
+        self._shielded("the pool-reset hook", self._pool_reset)
+
+    def _pool_reset(self) -> None:
+        for g in self.groups.values():
+            g.canary.release(torch.arange(g.canary.num_slots, device=g.canary.device))
+        self._poisoned.clear()
 
     def offloaded(self, cache: Any, rids: set[str], tables: dict[str, dict[str, list[int]]]) -> None:
         """Blocks of ``rids`` were copied to the CPU tier: keep their stamps beside them."""
+        self._shielded("the offload hook", self._offloaded_hook, cache, rids, tables)
+
+    def _offloaded_hook(self, cache: Any, rids: set[str], tables: dict[str, dict[str, list[int]]]) -> None:
         self._ensure_groups(cache)
         for rid in rids:
-            self._offloaded[rid] = {
-                name: self.groups[name].canary.export_stamps(self.groups[name].block_slots(blocks))
-                for name, blocks in tables[rid].items() if blocks
-            }
+            self._offloaded[rid] = {name: self._stamps_of(name, blocks) for name, blocks in tables[rid].items() if blocks}
+
+    def _stamps_of(self, name: str, blocks: list[int]) -> torch.Tensor | None:
+        """The stamps of ``blocks`` of group ``name`` as they were before the engine freed them."""
+        g, freed = self.groups[name], self._freed.get(name, {})
+        now = g.canary.export_stamps(g.block_slots(blocks))
+        if now is None or not freed:
+            return now
+        return torch.cat([freed.get(b, now[i * g.tpp : (i + 1) * g.tpp]) for i, b in enumerate(blocks)])
 
     def copied(self, allocator: Any, source: list[int], dest: list[int]) -> None:
         """A fork copied whole blocks inside the pool: their stamps follow, and the copies are verified."""
+        self._shielded("the block-copy hook", self._copied, allocator, source, dest)
+
+    def _copied(self, allocator: Any, source: list[int], dest: list[int]) -> None:
         g = next((g for g in self.groups.values() if g.allocator is allocator), None)
         if g is not None:
             g.canary.import_stamps(g.block_slots(dest), g.canary.export_stamps(g.block_slots(source)))
+            self.poll()
 
     def restored(self, cache: Any, rids: list[str]) -> None:
         """Blocks of ``rids`` came back from the CPU tier: install their stamps and verify the bytes."""
+        self._shielded("the restore hook", self._restored, cache, rids)
+
+    def _restored(self, cache: Any, rids: list[str]) -> None:
+        self._ensure_groups(cache)
         for rid in rids:
-            saved = self._offloaded.pop(rid, None)
-            if saved is None:
-                continue
-            for name, stamps in saved.items():
-                g = self.groups[name]
+            saved = self._offloaded.pop(rid, {})
+            for name, g in self.groups.items():
                 blocks = g.allocator.block_table.get(rid, [])
-                n = min(len(blocks), stamps.shape[0] // g.tpp)
-                g.canary.import_stamps(g.block_slots(blocks[:n]), stamps[: n * g.tpp])
-        self.poll()
+                stamps = saved.get(name)
+                n = 0 if stamps is None else min(len(blocks), stamps.shape[0] // g.tpp)
+                if n:
+                    g.canary.import_stamps(g.block_slots(blocks[:n]), stamps[: n * g.tpp])  # type: ignore[index]
+                if len(blocks) > n:  # stamps that did not travel: the canary lost track, not corruption
+                    g.canary.forget(g.block_slots(blocks[n:]))
+            self.poll(request=rid)
+
+    # ---- quarantine ---------------------------------------------------------------------------
+
+    def _mark_for_quarantine(self, found: list[Violation]) -> None:
+        """Fail the readers of corrupted KV and drop the blocks involved from the prefix cache."""
+        by_rid: dict[str, list[Violation]] = {}
+        for v in found:
+            if v.request is not None:
+                by_rid.setdefault(v.request, []).append(v)
+            g = self.groups.get(v.group or "")
+            if g is None or v.checks & Check.BAD_SLOT or not 0 <= v.slot < g.canary.num_slots:
+                continue
+            block = v.slot // g.tpp
+            cb_hooks.drop_from_prefix_cache(g.allocator, block)
+            if v.checks & Check.CONTENT:  # its bytes are bad: every holder reads them
+                self._poisoned.setdefault(g.name, set()).add(block)
+        for rid, vs in by_rid.items():
+            self.quarantined.setdefault(rid, KvCorruptionError(vs))
+            self._to_fail.add(rid)
+
+    def due_for_failing(self) -> dict[str, KvCorruptionError]:
+        """Requests to fail now: readers of corrupted KV, and every live holder of a poisoned block."""
+        for name, blocks in self._poisoned.items():
+            g = self.groups.get(name)
+            if g is None or not blocks:
+                continue
+            for rid, table in g.allocator.block_table.items():
+                if rid not in self.quarantined and not blocks.isdisjoint(table):
+                    self.quarantined[rid] = KvCorruptionError([], message=(
+                        f"request {rid} holds KV block(s) {sorted(blocks.intersection(table))} of group {name} "
+                        f"whose bytes changed after they were written"))
+                    self._to_fail.add(rid)
+        due = {rid: self.quarantined[rid] for rid in self._to_fail}
+        self._to_fail.clear()
+        return due
 
 
 def protect(model: Any, config: CanaryConfig | None = None, **kw: Any) -> Protection:

@@ -45,70 +45,166 @@ def canary_work(stream: Any) -> Iterator[None]:
 
 ACTIVE: dict[int, Any] = {}  # model id -> Protection
 BY_CACHE: dict[int, Any] = {}  # by the KV pool's storage, which the cache and its allocators share
+BY_POOL: dict[int, Any] = {}  # by the id of the cache's block pool (the CPU tier has a pool of its own)
 
 
 def pool_key(cache_tensor: torch.Tensor) -> int:
     return int(cache_tensor.untyped_storage().data_ptr())
 
 
+def drop_from_prefix_cache(allocator: Any, block: int) -> None:
+    """Forget ``block``'s content hash so no later request's prefix matches it; an unreferenced
+    cached block goes back to the free pool."""
+    ledger = allocator.ledger
+    h = ledger.block_to_hash.pop(block, None)
+    if h is not None and ledger.hash_to_block.get(h) == block:
+        del ledger.hash_to_block[h]
+    if block in ledger.cached_blocks:
+        del ledger.cached_blocks[block]
+        allocator.pool.free_blocks(allocator.index, [block])
+
+
+def fail_quarantined(processor: Any, due: dict[str, Any]) -> None:
+    """Fail the requests in ``due`` (request id -> error) the way the engine fails a request."""
+    sched = processor.scheduler
+    for rid, err in due.items():
+        state = sched.active_requests.get(rid) or sched.waiting_requests.get(rid)
+        if state is None:
+            continue
+        processor._handle_request_error(err, state)
+        if rid in sched.waiting_requests:
+            sched.waiting_requests.pop(rid)
+            if rid in sched.waiting_requests_order:
+                sched.waiting_requests_order.remove(rid)
+        sched.finish_request(rid)
+
+
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
+
+
+def _targets() -> dict[str, tuple[Any, str]]:
+    """Every patched method: key -> (class, attribute)."""
+    from transformers.generation.continuous_batching import continuous_api
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+    from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
+
+    return {
+        "compute_batch": (ModelRunner, "compute_batch"),
+        "offload": (OffloadingManager, "_offload_to_cpu"),
+        "restore": (OffloadingManager, "restore_scheduled_requests"),
+        "copy_blocks": (CacheAllocator, "copy_blocks"),
+        "free_blocks": (CachePool, "free_blocks"),
+        "pool_reset": (CachePool, "reset"),
+        "update_batch": (continuous_api.ContinuousBatchProcessor, "update_batch"),
+        "generate_batch": (continuous_api.ContinuousMixin, "generate_batch"),
+    }
+
+
+def _by_cache(cache_tensor: Any) -> Any:
+    return BY_CACHE.get(pool_key(cache_tensor))
+
+
+def _compute_batch(self: Any, model: Any, batch_data: dict) -> None:
+    prot = ACTIVE.get(id(model))
+    steps = prot.before(self, batch_data) if prot is not None else None
+    _ORIGINAL["compute_batch"](self, model, batch_data)
+    if prot is not None:
+        prot.after(steps)
+
+
+def _offload(self: Any, victims: list, victim_block_tables: dict) -> set:
+    rids = _ORIGINAL["offload"](self, victims, victim_block_tables)
+    prot = _by_cache(self.cache.cache_tensor)
+    if prot is not None and rids:
+        prot.offloaded(self.cache, rids, victim_block_tables)
+    return rids  # type: ignore[no-any-return]
+
+
+def _restore(self: Any, requests_in_batch: list) -> None:
+    rids = [fs.state.request_id for fs in requests_in_batch if fs.state.is_cpu_offloaded]
+    _ORIGINAL["restore"](self, requests_in_batch)
+    prot = _by_cache(self.cache.cache_tensor)
+    if prot is not None and rids:
+        prot.restored(self.cache, rids)
+
+
+def _copy_blocks(self: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> None:
+    _ORIGINAL["copy_blocks"](self, source_block_ids, dest_block_ids)
+    prot = _by_cache(self.cache_tensor)
+    if prot is not None and source_block_ids:
+        prot.copied(self, source_block_ids, dest_block_ids)
+
+
+def _free_blocks(self: Any, index: int, block_ids: list[int]) -> None:
+    _ORIGINAL["free_blocks"](self, index, block_ids)
+    prot = BY_POOL.get(id(self))
+    if prot is not None and block_ids:
+        prot.released(index, list(block_ids))
+
+
+def _pool_reset(self: Any) -> None:
+    _ORIGINAL["pool_reset"](self)
+    prot = BY_POOL.get(id(self))
+    if prot is not None:
+        prot.pool_reset()
+
+
+def _update_batch(self: Any) -> None:
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    prot = _by_cache(self.cache.cache_tensor)
+    if prot is None or prot.config.mode != "quarantine":
+        return _ORIGINAL["update_batch"](self)  # type: ignore[no-any-return]
+    router = self.output_router
+    held = prot.quarantined  # outputs computed from corrupted KV are not delivered as results
+    kept: dict[str, Any] = {}
+    deliver, deliver_batch = router.deliver, router.deliver_batch
+
+    def hold(outs: list) -> list:
+        kept.update((o.request_id, o) for o in outs if o.request_id in held)
+        return [o for o in outs if o.request_id not in held]
+
+    router.deliver = lambda out: [deliver(o) for o in hold([out])]
+    router.deliver_batch = lambda outs: deliver_batch(hold(outs))
+    try:
+        _ORIGINAL["update_batch"](self)
+    finally:
+        router.deliver, router.deliver_batch = deliver, deliver_batch
+    due = prot.due_for_failing()
+    for rid, out in kept.items():  # finished in this update: its result is replaced by the failure
+        if rid in due and rid not in self.scheduler.active_requests:
+            out.status, out.error = RequestStatus.FAILED, str(due[rid])
+            deliver(out)
+    fail_quarantined(self, due)
+
+
+def _generate_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+    out = _ORIGINAL["generate_batch"](self, *args, **kwargs)
+    prot = ACTIVE.get(id(self))
+    if prot is not None:
+        prot.raise_pending()  # raise mode: the error that stopped the engine, in the caller's thread
+    return out
+
+
+_PATCHES: dict[str, Callable[..., Any]] = {
+    "compute_batch": _compute_batch, "offload": _offload, "restore": _restore, "copy_blocks": _copy_blocks,
+    "free_blocks": _free_blocks, "pool_reset": _pool_reset, "update_batch": _update_batch,
+    "generate_batch": _generate_batch,
+}
 
 
 def install() -> None:
     if _ORIGINAL:
         return
-    from transformers.generation.continuous_batching.model_runner import ModelRunner
-    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
-
-    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
-
-    _ORIGINAL["compute_batch"] = ModelRunner.compute_batch
-    _ORIGINAL["offload"] = OffloadingManager._offload_to_cpu
-    _ORIGINAL["restore"] = OffloadingManager.restore_scheduled_requests
-    _ORIGINAL["copy_blocks"] = CacheAllocator.copy_blocks
-
-    def compute_batch(self: Any, model: Any, batch_data: dict) -> None:
-        prot = ACTIVE.get(id(model))
-        steps = prot.before(self, batch_data) if prot is not None else None
-        _ORIGINAL["compute_batch"](self, model, batch_data)
-        if prot is not None:
-            prot.after(steps)
-
-    def offload(self: Any, victims: list, victim_block_tables: dict) -> set:
-        rids = _ORIGINAL["offload"](self, victims, victim_block_tables)
-        prot = BY_CACHE.get(pool_key(self.cache.cache_tensor))
-        if prot is not None and rids:
-            prot.offloaded(self.cache, rids, victim_block_tables)
-        return rids  # type: ignore[no-any-return]
-
-    def restore(self: Any, requests_in_batch: list) -> None:
-        rids = [fs.state.request_id for fs in requests_in_batch if fs.state.is_cpu_offloaded]
-        _ORIGINAL["restore"](self, requests_in_batch)
-        prot = BY_CACHE.get(pool_key(self.cache.cache_tensor))
-        if prot is not None and rids:
-            prot.restored(self.cache, rids)
-
-    def copy_blocks(self: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> None:
-        _ORIGINAL["copy_blocks"](self, source_block_ids, dest_block_ids)
-        prot = BY_CACHE.get(pool_key(self.cache_tensor))
-        if prot is not None and source_block_ids:
-            prot.copied(self, source_block_ids, dest_block_ids)
-
-    setattr(ModelRunner, "compute_batch", compute_batch)
-    setattr(OffloadingManager, "_offload_to_cpu", offload)
-    setattr(OffloadingManager, "restore_scheduled_requests", restore)
-    setattr(CacheAllocator, "copy_blocks", copy_blocks)
+    for key, (cls, attr) in _targets().items():
+        _ORIGINAL[key] = getattr(cls, attr)
+        setattr(cls, attr, _PATCHES[key])
 
 
 def uninstall() -> None:
     if not _ORIGINAL:
         return
-    from transformers.generation.continuous_batching.model_runner import ModelRunner
-    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
-
-    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
-
-    setattr(CacheAllocator, "copy_blocks", _ORIGINAL.pop("copy_blocks"))
-    setattr(ModelRunner, "compute_batch", _ORIGINAL.pop("compute_batch"))
-    setattr(OffloadingManager, "_offload_to_cpu", _ORIGINAL.pop("offload"))
-    setattr(OffloadingManager, "restore_scheduled_requests", _ORIGINAL.pop("restore"))
+    for key, (cls, attr) in _targets().items():
+        setattr(cls, attr, _ORIGINAL.pop(key))

@@ -22,7 +22,8 @@ assert [int(c) for c in (Check.POSITION, Check.LINK, Check.TOKEN, Check.CONTENT,
     1, 2, 4, 8, 16, 32]
 assert [int(c) for c in (Counter.STEPS, Counter.SLOTS_VERIFIED, Counter.LINKS_CHECKED, Counter.LINKS_UNCHECKED,
                          Counter.CONTENT_SLOTS_VERIFIED, Counter.CONTENT_SLOTS_SKIPPED,
-                         Counter.CONTENT_BYTES_VERIFIED, Counter.VIOLATIONS)] == [0, 1, 2, 3, 4, 5, 6, 11]
+                         Counter.CONTENT_BYTES_VERIFIED, Counter.VIOLATIONS, Counter.SLOTS_UNVERIFIABLE)] == [
+    0, 1, 2, 3, 4, 5, 6, 11, 12]
 assert NUM_FIELDS == 14
 # positions and warps per program without content: 2 positions per lane, and few enough registers
 # (72 on sm_90) for 3 programs per SM to keep ~1,500 stamp reads in flight there
@@ -105,7 +106,8 @@ def _verify_kernel(
     CHUNK: tl.constexpr, SAME_PS: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Per read entry (row r, position p): POSITION, LINK (stored link == B*pred.link + g(token, pos)),
-    TOKEN, CONTENT (every entry, or those in the window), EMPTY, BAD_SLOT."""
+    TOKEN, CONTENT (every entry, or those in the window), EMPTY, BAD_SLOT; an unknown slot (position
+    -2) is counted and not checked, and its successor's link is not checked."""
     r = tl.program_id(0)
     st0, cnt = read_range(r, cached, starts, valid, HAS_STARTS, HAS_VALID)
     trow = r.to(tl.int64)
@@ -128,7 +130,10 @@ def _verify_kernel(
         s_link = tl.load(stamps + sl * 4 + 2, mask=m, other=0)
         s_cont = tl.load(stamps + sl * 4 + 3, mask=m, other=0)
         empty = (s_pos == -1) & ~bad
-        readable = ~bad & ~empty
+        unknown = (s_pos == -2) & ~bad
+        readable = ~bad & ~empty & ~unknown
+        pred_pos = tl.load(stamps + tl.where(pred_ok, pred, 0) * 4 + 1, mask=m & pred_ok, other=0)
+        pred_ok &= pred_pos != -2  # an unknown predecessor's link says nothing about this slot's
         linked = readable & ((p == 0) | pred_ok)
         prev = tl.load(stamps + tl.where(pred_ok, pred, 0) * 4 + 2, mask=m & pred_ok, other=0)
         prev = tl.where(p == 0, 0x5EEDC0DE7A110001, u64(prev))
@@ -160,6 +165,7 @@ def _verify_kernel(
         bump(counters + 1, tl.sum(m.to(tl.int64), axis=0))
         bump(counters + 2, tl.sum((m & linked).to(tl.int64), axis=0))
         bump(counters + 3, tl.sum((m & readable & ~linked).to(tl.int64), axis=0))
+        bump(counters + 12, tl.sum((m & unknown).to(tl.int64), axis=0))
         checks = tl.where(m, checks, 0)
         rr = r.to(tl.int64) + p * 0
         record(ring, counters, cap, checks != 0, 14,
