@@ -1,3 +1,8 @@
-from kvcanary.cli import main
+"""``python -m kvcanary``: the command line of :mod:`kvcanary.cli`."""
+
 import sys
-sys.exit(main())
+
+from kvcanary.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
