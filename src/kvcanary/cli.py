@@ -4,6 +4,9 @@ Commands: ``demo`` (the main job: continuous batching with the canary on) and ``
 fault class injected, the detection matrix printed, plus a clean soak).
 Exit codes: 0 success; 1 a violation where none was expected, a fault not detected within its
 deadline, or outputs that changed under the canary; 2 bad usage or a missing optional dependency.
+
+torch, transformers and the engines are imported inside the command that needs them, never at
+module level, so ``--help`` and usage errors answer at once.
 """
 
 from __future__ import annotations
@@ -13,13 +16,19 @@ import json
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from kvcanary.canary import Canary
-from kvcanary.config import CanaryConfig
+from kvcanary.config import CanaryConfig  # pure Python: imports no torch
+
+EXIT_CODES = """exit status:
+  0  success
+  1  a violation where none was expected, a fault not detected within its deadline,
+     or outputs that changed under the canary
+  2  bad usage or a missing optional dependency"""
 
 
 def _scripted_run(args: argparse.Namespace) -> int:
+    from kvcanary.canary import Canary
     from kvcanary.engines import workload
     from kvcanary.engines.scripted import EngineSpec, ScriptedEngine
 
@@ -40,7 +49,7 @@ def _scripted_run(args: argparse.Namespace) -> int:
     steps = workload.run(eng, wl, on_step=on_step)
     wall = time.perf_counter() - t0
     st = canary.stats()
-    summary = {
+    summary: dict[str, object] = {
         "engine": "scripted",
         "layout": spec.layout,
         "table": spec.table,
@@ -60,14 +69,46 @@ def _scripted_run(args: argparse.Namespace) -> int:
         "internal_errors": st["internal_errors"],
         "wall_s": round(wall, 3),
     }
-    if args.json:
-        print(json.dumps(summary))
-    else:
+    if not args.json:
         print(file=sys.stderr)
-        width = max(map(len, summary))
-        for k, v in summary.items():
-            print(f"  {k:<{width}}  {v}")
-    return 0 if st["violations"] == 0 and st["internal_errors"] == 0 else 1
+    ok = st["violations"] == 0 and st["internal_errors"] == 0
+    if args.inject:
+        faults = _scripted_faults(args, spec)
+        summary["injected"] = faults
+        ok = ok and all(f["detected"] and f["in_time"] for f in faults)
+    _report(summary, "step", args.json)
+    return 0 if ok else 1
+
+
+def _scripted_faults(args: argparse.Namespace, spec: Any) -> list[dict[str, object]]:
+    """The demo's fault classes, each injected once into a busy scripted engine of ``spec``'s
+    geometry, layout and table (the selftest's runner), and what caught each."""
+    from kvcanary.faults import runner
+    from kvcanary.faults.catalog import BY_NAME
+
+    found: list[dict[str, object]] = []
+    for i, name in enumerate(runner.CB_FAULTS):  # the classes the transformers demo injects
+        if not args.json:
+            print(f"injecting {name} ...", file=sys.stderr, flush=True)
+        r = runner.run_scripted(BY_NAME[name], args.seed + i, table=spec.table, layout=spec.layout, base=spec)
+        found.append({"fault": r.fault, "injected_at_step": r.injected_at, "detail": r.detail,
+                      "detected": r.detected, "forwards_to_detect": r.forwards_to_detect,
+                      "deadline_forwards": r.max_forwards, "in_time": r.ok, "checks_fired": r.checks_fired,
+                      "first_detection": r.first})
+    return found
+
+
+def _report(summary: dict[str, object], unit: str, as_json: bool) -> None:
+    """Print a demo summary: one JSON line, or a table then each injected fault and its detection."""
+    if as_json:
+        print(json.dumps(summary))
+        return
+    _table([(k, v) for k, v in summary.items() if k != "injected"])
+    for f in summary.get("injected", []):  # type: ignore[attr-defined]
+        print(f"\n  fault {f['fault']} at {unit} {f[f'injected_at_{unit}']}: {f['detail']}")
+        n = f.get("forwards_to_detect")
+        after = "" if n is None else f" (within {n} forward{'s' * (n != 1)}, deadline {f['deadline_forwards']})"
+        print(f"    detected: {f['first_detection'] or 'NO'}{after}")
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -161,13 +202,7 @@ def _transformers_run(args: argparse.Namespace) -> int:
                           "first_detection": guard.describe(first) if first else None})
             ok = ok and first is not None
         summary["injected"] = found
-    if args.json:
-        print(json.dumps(summary))
-        return 0 if ok else 1
-    _table([(k, v) for k, v in summary.items() if k != "injected"])
-    for f in summary.get("injected", []):  # type: ignore[attr-defined]
-        print(f"\n  fault {f['fault']} at forward {f['injected_at_forward']}: {f['detail']}")
-        print(f"    detected: {f['first_detection'] or 'NO'}")
+    _report(summary, "forward", args.json)
     return 0 if ok else 1
 
 
@@ -236,13 +271,10 @@ def _selftest(args: argparse.Namespace) -> int:
                 "status": "ok" if good else "FAIL",
                 "failures": [r.to_dict() for r in results if not r.ok],
             })
-    say(f"  clean soak of {args.soak} randomized steps ...")
-    soak = runner.soak(args.soak, progress=lambda n: say(f"    {n}/{args.soak} steps"))
-    false_positives = soak["violations"] + soak["internal_errors"]
-    ok = ok and false_positives == 0
+    soak = _soak(args.soak, say)
+    ok = ok and soak["false_positives"] == 0
     if args.json:
-        print(json.dumps({"ok": ok, "matrix": rows, "soak": {"steps": soak["soak_steps"],
-                          "false_positives": false_positives, "slots_verified": soak["slots_verified"]}}))
+        print(json.dumps({"ok": ok, "matrix": rows, "soak": soak}))
         return 0 if ok else 1
     head = f"{'fault':<30} {'zoo':<15} {'expected':<16} {'engine':<13} {'detected':<9} {'fwd':<5} checks fired"
     print(head)
@@ -254,32 +286,73 @@ def _selftest(args: argparse.Namespace) -> int:
         zoo = ",".join(r["zoo"])  # type: ignore[arg-type]
         mark = "" if r["status"] in ("ok", "miss") else "   <-- FAIL"
         print(f"{r['fault']:<30} {zoo:<15} {r['expected']:<16} {r['engine']:<13} {det:<9} {fwd_s:<5} {fired}{mark}")
-    print(f"\nclean soak: {soak['soak_steps']} steps, {soak['slots_verified']} slots verified, "
-          f"{false_positives} false positives")
+    if soak["ran"]:
+        print(f"\nclean soak: {soak['steps']} steps, {soak['slots_verified']} slots verified, "
+              f"{soak['false_positives']} false positives")
+    else:
+        print("\nclean soak: not run (--soak 0)")
     print("selftest " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
 
 
+def _soak(steps: int, say: Callable[..., None]) -> dict[str, Any]:
+    """The clean soak's summary: steps run, false positives (violations plus internal errors)."""
+    if steps == 0:
+        return {"ran": False, "steps": 0, "false_positives": 0, "slots_verified": 0}
+    from kvcanary.faults import runner
+
+    say(f"  clean soak of {steps} randomized steps ...")
+    st = runner.soak(steps, progress=lambda n: say(f"    {n}/{steps} steps"))
+    return {"ran": True, "steps": st["soak_steps"], "false_positives": st["violations"] + st["internal_errors"],
+            "slots_verified": st["slots_verified"]}
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {n}")
+        return n
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvcanary", description=__doc__.splitlines()[0] if __doc__ else None)
+    """The ``kvcanary`` argument parser; building it imports nothing beyond the standard library."""
+    kw: dict[str, Any] = dict(epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvcanary", description="Catch silent KV-cache corruption in LLM serving "
+                                "engines: run the demo or prove every check fires.", **kw)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="run continuous batching with the canary on and print a summary")
-    d.add_argument("--engine", default="transformers", choices=["transformers", "scripted"])
+    d = sub.add_parser("demo", help="run continuous batching with the canary on and print a summary",
+                       description="Run requests with shared prefixes through an engine with the canary on "
+                       "and print a summary.", **kw)
+    d.add_argument("--engine", default="transformers", choices=["transformers", "scripted"],
+                   help="transformers continuous batching (default) or the scripted paged engine")
     d.add_argument("--inject", action="store_true", help="also run with faults injected and show each detection")
-    d.add_argument("--requests", type=int, default=32)
-    d.add_argument("--max-new-tokens", type=int, default=16)
-    d.add_argument("--model", help="a local model directory (default: a tiny random Llama, nothing downloaded)")
-    d.add_argument("--blocks", type=int, default=96)
-    d.add_argument("--block-size", type=int, default=8)
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--layout", default="paged", choices=["flat", "paged", "packed", "head_major", "mla"])
-    d.add_argument("--table", default="block", choices=["block", "token"])
+    d.add_argument("--requests", type=_count(1), default=32)
+    d.add_argument("--max-new-tokens", type=_count(1), default=16, help="(transformers)")
+    d.add_argument("--model", help="(transformers) a local model directory "
+                   "(default: a tiny random Llama, nothing downloaded)")
+    d.add_argument("--blocks", type=_count(1), default=96, help="KV blocks in the pool")
+    d.add_argument("--block-size", type=_count(1), default=8, help="(scripted) slots per block")
+    d.add_argument("--layers", type=_count(1), default=4)
+    d.add_argument("--layout", default="paged", choices=["flat", "paged", "packed", "head_major", "mla"],
+                   help="(scripted) how the KV bytes are laid out")
+    d.add_argument("--table", default="block", choices=["block", "token"], help="(scripted) block or token table")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     d.set_defaults(fn=_demo)
-    t = sub.add_parser("selftest", help="inject every fault class and print the detection matrix")
-    t.add_argument("--seeds", type=int, default=3, help="runs per fault class and engine")
-    t.add_argument("--soak", type=int, default=500, help="randomized clean steps that must report no violation")
+    t = sub.add_parser("selftest", help="inject every fault class and print the detection matrix",
+                       description="Inject every fault class, print the detection matrix, then run a clean soak.",
+                       **kw)
+    t.add_argument("--seeds", type=_count(1), default=3, help="runs per fault class and engine")
+    t.add_argument("--soak", type=_count(0), default=500,
+                   help="randomized clean steps that must report no violation (0: no soak)")
     t.add_argument("--no-transformers", action="store_true", help="scripted engine only")
     t.add_argument("--json", action="store_true", help="print the matrix as one JSON object")
     t.set_defaults(fn=_selftest)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from kvcanary.canary import Canary
@@ -34,6 +34,7 @@ class FaultResult:
     ok: bool
     detail: dict[str, Any] = field(default_factory=dict)
     first: str | None = None
+    injected_at: int | None = None  # the engine step (scripted) or forward (transformers) it landed in
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,10 +60,15 @@ class _Feeder:
             self.eng.add_request(self.rng.choice(self.prefixes) + tail, self.rng.randint(2, 12))
 
 
-def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = "paged") -> FaultResult:
-    """Inject ``fc`` once into a busy scripted engine and run until detection or the deadline."""
-    spec = EngineSpec(num_blocks=48, block_size=4, layout=layout, table=table,  # type: ignore[arg-type]
-                      offload=fc.point == Point.TRANSFER, max_running=6, seed=seed)
+def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = "paged",
+                 base: EngineSpec | None = None) -> FaultResult:
+    """Inject ``fc`` once into a busy scripted engine and run until detection or the deadline.
+
+    ``base`` gives the engine's geometry (default :class:`EngineSpec`'s: 48 blocks of 4 slots);
+    its layout, table, offload and seed are set from the other arguments and ``fc``.
+    """
+    spec = replace(base or EngineSpec(), layout=layout, table=table,  # type: ignore[arg-type]
+                   offload=fc.point == Point.TRANSFER, seed=seed)
     eng = ScriptedEngine(spec)
     canary = Canary(eng.num_slots, eng.layout,
                     CanaryConfig(mode="log", content_budget_bytes=None, scrub_slots=eng.num_slots))
@@ -96,19 +102,20 @@ def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = 
             hits = [v for v in found if v.checks & fc.checks] if landed_at is not None else []
             if hits and landed_at is not None:
                 fired = sorted({c.name or "" for v in hits for c in Check if c in v.checks})
-                return _result(fc, "scripted", seed, True, fired, eng.steps - landed_at, inj.detail, hits[0].describe())
+                return _result(fc, "scripted", seed, True, fired, eng.steps - landed_at, inj.detail, hits[0].describe(),
+                               landed_at)
             if landed_at is not None and eng.steps - landed_at >= fc.max_forwards + 2:
                 break
-        return _result(fc, "scripted", seed, False, [], None, inj.detail)
+        return _result(fc, "scripted", seed, False, [], None, inj.detail, at=landed_at)
     finally:
         restore()
 
 
 def _result(fc: FaultClass, engine: str, seed: int, detected: bool, fired: list[str], forwards: int | None,
-            detail: dict[str, Any], first: str | None = None) -> FaultResult:
+            detail: dict[str, Any], first: str | None = None, at: int | None = None) -> FaultResult:
     ok = detected and forwards is not None and forwards <= fc.max_forwards
     return FaultResult(fc.name, engine, seed, list(fc.zoo), fc.outcome.value, detected, fired, forwards,
-                       fc.max_forwards, ok, detail, first)
+                       fc.max_forwards, ok, detail, first, at)
 
 
 # transformers continuous batching: the fault classes its injectors reproduce
@@ -147,7 +154,7 @@ def run_transformers(fc: FaultClass, seed: int, model: Any = None) -> FaultResul
     fired = sorted({c.name or "" for v in hits if v.step == hits[0].step for c in Check if c in v.checks})
     # a corruption present when forward k's checks run is found by forward k: 1 forward
     return _result(fc, "transformers", seed, True, fired, hits[0].step - fault.landed_at + 1, fault.detail,
-                   guard.describe(hits[0]))
+                   guard.describe(hits[0]), fault.landed_at)
 
 
 def random_spec(rng: random.Random, seed: int) -> EngineSpec:
