@@ -25,16 +25,16 @@ from typing import Any, Callable
 
 import torch
 
-from kvcanary import checks
-from kvcanary.canary import Canary, report
+from kvcanary.canary import report
 from kvcanary.config import CanaryConfig
 from kvcanary.engines import transformers_hooks as cb_hooks
 from kvcanary.engines.hf_models import cb_configs, tiny_model
 from kvcanary.engines.token_book import TokenBook
+from kvcanary.engines.transformers_quarantine import Quarantine
+from kvcanary.engines.transformers_steps import Group, build_steps, group_layout
 from kvcanary.errors import ConfigError, KvCorruptionError, UnsupportedError
-from kvcanary.layout import ByteSource, KvLayout
 from kvcanary.step import Step
-from kvcanary.violations import Check, Violation
+from kvcanary.violations import Violation
 
 __all__ = ["Protection", "protect", "check_version", "group_layout", "tiny_model", "cb_configs"]
 
@@ -54,54 +54,6 @@ def check_version(version: str) -> None:
             f"transformers {version} is not supported by kvcanary's continuous-batching integration; "
             f"expected transformers{SUPPORTED_TEXT} (pip install 'kvcanary[transformers]')"
         )
-
-
-def group_layout(allocator: Any) -> tuple[KvLayout, int]:
-    """The layout of one CB layer group's K and V bytes, and its number of compact slots.
-
-    A group's cache is token rows ``[Hkv, D]``; block ``b`` holds, per layer ``i`` of the group, a
-    K page then a V page of ``tokens_per_page`` rows. The canary numbers slots compactly:
-    ``slot = block * tokens_per_page + offset``.
-    """
-    t = allocator.cache_tensor  # [total_tokens, 2, Hkv, D] in the cache dtype
-    es = t.element_size()
-    row = t.shape[2] * t.shape[3] * es
-    tpp, stride = allocator.tokens_per_page, allocator.block_physical_stride
-    num_pages = (t.shape[0] * 2) // stride
-    base = t.storage_offset() * es
-    sources = []
-    for i, layer in enumerate(allocator.layer_indices):
-        for h, half in enumerate("kv"):
-            sources.append(ByteSource(
-                name=f"layer{layer}.{half}", tensor=t, page_size=tpp, num_pages=num_pages,
-                page_stride=stride * row, token_stride=row, rows=1, row_stride=row, row_bytes=row,
-                offset=base + (2 * i + h) * tpp * row,
-            ))
-    return KvLayout(tuple(sources)), num_pages * tpp
-
-
-class _Group:
-    """One layer group's canary and slot numbering."""
-
-    def __init__(self, name: str, index: int, allocator: Any, config: CanaryConfig) -> None:
-        self.name, self.index, self.allocator = name, index, allocator
-        layout, num_slots = group_layout(allocator)
-        self.canary = Canary(num_slots, layout, config)
-        self.tpp, self.stride = allocator.tokens_per_page, allocator.block_physical_stride
-        self.trash = allocator.write_trash_index
-
-    def compact(self, physical: torch.Tensor) -> torch.Tensor:
-        physical = physical.long()
-        return torch.div(physical, self.stride, rounding_mode="floor") * self.tpp + physical % self.stride
-
-    def block_slots(self, blocks: list[int] | set[int]) -> torch.Tensor:
-        b = torch.tensor(sorted(blocks) if isinstance(blocks, set) else blocks, dtype=torch.int64)
-        slots = (b[:, None] * self.tpp + torch.arange(self.tpp)).reshape(-1)
-        return cb_hooks.to_device(self.canary.device, slots)[0]
-
-    def holders(self, block: int) -> list[str]:
-        """The requests whose table in this group holds ``block``."""
-        return [rid for rid, blocks in self.allocator.block_table.items() if block in blocks]
 
 
 class Protection:
@@ -133,7 +85,7 @@ class Protection:
         self.config = config or CanaryConfig(mode="log")
         self.check_tokens = check_tokens
         self.on_violation = on_violation
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, Group] = {}
         self.cache: Any = None
         self.violations: list[Violation] = []
         self.forwards = 0
@@ -145,9 +97,7 @@ class Protection:
         self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
         self._stream: Any = None
         self.pending: BaseException | None = None  # raise mode: what generate_batch raises in the caller
-        self.quarantined: dict[str, KvCorruptionError] = {}  # quarantine: request id -> its error
-        self._to_fail: set[str] = set()
-        self._poisoned: dict[str, set[int]] = {}  # group -> blocks whose bytes are bad
+        self.quarantine = Quarantine(self)
         self._freed: dict[str, dict[int, torch.Tensor]] = {}  # group -> block -> stamps, freed since the last forward
 
     # ---- install / remove -------------------------------------------------------------------
@@ -205,7 +155,7 @@ class Protection:
             self.pending = e
             raise
         if self.config.mode == "quarantine":
-            self._mark_for_quarantine(found)
+            self.quarantine.mark(found)
         return found
 
     def request_of(self, v: Violation) -> str | None:
@@ -226,7 +176,7 @@ class Protection:
             for k, v in g.canary.stats().items():
                 out[k] = out.get(k, 0) + v
         out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
-        out["requests_quarantined"] = len(self.quarantined)
+        out["requests_quarantined"] = len(self.quarantine.failed)
         return out
 
     # ---- the canary's own failures --------------------------------------------------------------
@@ -270,7 +220,7 @@ class Protection:
         those of ``fresh`` requests (nothing cached yet, so nothing of theirs was written)."""
         if self.cache is cache:
             return
-        groups = {name: _Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
+        groups = {name: Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
         for g in groups.values():
             a = g.allocator
             held = {b for rid, blocks in a.block_table.items() if rid not in fresh for b in blocks}
@@ -282,63 +232,8 @@ class Protection:
         cb_hooks.BY_POOL[id(cache.pool)] = self
 
     def build_steps(self, runner: Any, batch: dict, reqs: list | None = None) -> dict[str, Step]:
-        """One Step per layer group from a forward's own metadata, on the batch's device.
-
-        ``reqs`` are the batch's requests (default: read from the runner). Shapes come from the
-        requests' host-side lengths and the index tensors' own sizes, so no device value is read on
-        the host; host-built tensors travel through pinned memory.
-        """
-        if batch.get("block_table") is not None:
-            raise UnsupportedError(
-                "continuous batching's decode fast path (block tables for flash attention's kv-cache kernel) is "
-                "not covered; run with ContinuousBatchingConfig(max_blocks_per_request=0)")
-        if reqs is None:
-            reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
-        r = len(reqs)
-        if r == 0:
-            return {}
-        dev = batch["input_ids"].device
-        q_host = torch.tensor([fs.query_length for fs in reqs], dtype=torch.int64)
-        past_host = torch.tensor([fs.state.position_offset - fs.query_length for fs in reqs], dtype=torch.int64)
-        wrow_host, j = checks.rows_of(q_host)
-        total = wrow_host.shape[0]
-        width = max(1, int((past_host + q_host).max()))
-        wpos_host = past_host[wrow_host] + j
-        exp_host = None
-        if self.check_tokens:
-            exp_host = self._book.streams([fs.state for fs in reqs], (past_host + q_host).tolist(), width)
-        past, wrow, wpos, exp_tok = cb_hooks.to_device(dev, past_host, wrow_host, wpos_host, exp_host)
-        exp_new = exp_tok[wrow, wpos] if exp_tok is not None else None
-        cu_q = batch["cu_seq_lens_q"][: r + 1].long()
-        q = cu_q[1:] - cu_q[:-1]
-        tokens = batch["input_ids"][0, :total]
-        positions = batch["position_ids"][0, :total]
-        steps = {}
-        for name, g in self.groups.items():
-            cu_k = batch["cu_seq_lens_k"]
-            cu_k = (cu_k[name] if isinstance(cu_k, dict) else cu_k)[: r + 1].long()
-            read = batch["read_index"][g.index]
-            # row r and column width are scratch: entries that are not cached reads land there
-            table = torch.full((r + 1, width + 1), -1, dtype=torch.int64, device=dev)
-            ncached = torch.zeros_like(q)
-            if read.numel():
-                ncached = cu_k[1:] - cu_k[:-1] - q
-                e = torch.arange(read.shape[0], device=dev)
-                rrow = torch.searchsorted(cu_k, e, right=True) - 1  # r past the last row's reads
-                rr = rrow.clamp(max=r - 1)
-                j = e - cu_k[rr]
-                cached = (rrow < r) & (j < ncached[rr])
-                pos = past[rr] - ncached[rr] + j
-                table[torch.where(cached, rr, r), torch.where(cached, pos, width)] = g.compact(read)
-            write = batch["write_index"][g.index][:total].long()
-            wslot = torch.where(write == g.trash, -1, g.compact(write))
-            table[wrow, wpos] = wslot
-            steps[name] = Step(
-                slot_table=table, cached_lens=past, read_starts=past - ncached, new_offsets=cu_q,
-                new_tokens=tokens, new_positions=positions, new_slots=wslot,
-                expected_tokens=exp_tok, expected_new_tokens=exp_new,
-            )
-        return steps
+        """One Step per layer group from a forward's own metadata (see :func:`transformers_steps.build_steps`)."""
+        return build_steps(self.groups, self._book if self.check_tokens else None, runner, batch, reqs)
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         self._stream = getattr(runner.inputs_and_outputs, "compute_stream", None)  # the forward's (None on a CPU)
@@ -387,7 +282,7 @@ class Protection:
                     freed = self._freed.setdefault(name, {})
                     freed.update((b, was[i * g.tpp : (i + 1) * g.tpp]) for i, b in enumerate(blocks))
                 g.canary.release(slots)
-                self._poisoned.get(name, set()).difference_update(blocks)
+                self.quarantine.freed(name, blocks)
 
     def pool_reset(self) -> None:
         """The engine gave every block back (a cache reset): every slot is free."""
@@ -396,7 +291,7 @@ class Protection:
     def _pool_reset(self) -> None:
         for g in self.groups.values():
             g.canary.release(torch.arange(g.canary.num_slots, device=g.canary.device))
-        self._poisoned.clear()
+        self.quarantine.poisoned.clear()
 
     def offloaded(self, cache: Any, rids: set[str], tables: dict[str, dict[str, list[int]]]) -> None:
         """Blocks of ``rids`` were copied to the CPU tier: keep their stamps beside them."""
@@ -442,41 +337,6 @@ class Protection:
                 if len(blocks) > n:  # stamps that did not travel: the canary lost track, not corruption
                     g.canary.forget(g.block_slots(blocks[n:]))
             self.poll(request=rid)
-
-    # ---- quarantine ---------------------------------------------------------------------------
-
-    def _mark_for_quarantine(self, found: list[Violation]) -> None:
-        """Fail the readers of corrupted KV and drop the blocks involved from the prefix cache."""
-        by_rid: dict[str, list[Violation]] = {}
-        for v in found:
-            if v.request is not None:
-                by_rid.setdefault(v.request, []).append(v)
-            g = self.groups.get(v.group or "")
-            if g is None or v.checks & Check.BAD_SLOT or not 0 <= v.slot < g.canary.num_slots:
-                continue
-            block = v.slot // g.tpp
-            cb_hooks.drop_from_prefix_cache(g.allocator, block)
-            if v.checks & Check.CONTENT:  # its bytes are bad: every holder reads them
-                self._poisoned.setdefault(g.name, set()).add(block)
-        for rid, vs in by_rid.items():
-            self.quarantined.setdefault(rid, KvCorruptionError(vs))
-            self._to_fail.add(rid)
-
-    def due_for_failing(self) -> dict[str, KvCorruptionError]:
-        """Requests to fail now: readers of corrupted KV, and every live holder of a poisoned block."""
-        for name, blocks in self._poisoned.items():
-            g = self.groups.get(name)
-            if g is None or not blocks:
-                continue
-            for rid, table in g.allocator.block_table.items():
-                if rid not in self.quarantined and not blocks.isdisjoint(table):
-                    self.quarantined[rid] = KvCorruptionError([], message=(
-                        f"request {rid} holds KV block(s) {sorted(blocks.intersection(table))} of group {name} "
-                        f"whose bytes changed after they were written"))
-                    self._to_fail.add(rid)
-        due = {rid: self.quarantined[rid] for rid in self._to_fail}
-        self._to_fail.clear()
-        return due
 
 
 def protect(model: Any, config: CanaryConfig | None = None, **kw: Any) -> Protection:

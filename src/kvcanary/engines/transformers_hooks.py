@@ -52,33 +52,6 @@ def pool_key(cache_tensor: torch.Tensor) -> int:
     return int(cache_tensor.untyped_storage().data_ptr())
 
 
-def drop_from_prefix_cache(allocator: Any, block: int) -> None:
-    """Forget ``block``'s content hash so no later request's prefix matches it; an unreferenced
-    cached block goes back to the free pool."""
-    ledger = allocator.ledger
-    h = ledger.block_to_hash.pop(block, None)
-    if h is not None and ledger.hash_to_block.get(h) == block:
-        del ledger.hash_to_block[h]
-    if block in ledger.cached_blocks:
-        del ledger.cached_blocks[block]
-        allocator.pool.free_blocks(allocator.index, [block])
-
-
-def fail_quarantined(processor: Any, due: dict[str, Any]) -> None:
-    """Fail the requests in ``due`` (request id -> error) the way the engine fails a request."""
-    sched = processor.scheduler
-    for rid, err in due.items():
-        state = sched.active_requests.get(rid) or sched.waiting_requests.get(rid)
-        if state is None:
-            continue
-        processor._handle_request_error(err, state)
-        if rid in sched.waiting_requests:
-            sched.waiting_requests.pop(rid)
-            if rid in sched.waiting_requests_order:
-                sched.waiting_requests_order.remove(rid)
-        sched.finish_request(rid)
-
-
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
 
 
@@ -152,32 +125,10 @@ def _pool_reset(self: Any) -> None:
 
 
 def _update_batch(self: Any) -> None:
-    from transformers.generation.continuous_batching.requests import RequestStatus
-
     prot = _by_cache(self.cache.cache_tensor)
     if prot is None or prot.config.mode != "quarantine":
         return _ORIGINAL["update_batch"](self)  # type: ignore[no-any-return]
-    router = self.output_router
-    held = prot.quarantined  # outputs computed from corrupted KV are not delivered as results
-    kept: dict[str, Any] = {}
-    deliver, deliver_batch = router.deliver, router.deliver_batch
-
-    def hold(outs: list) -> list:
-        kept.update((o.request_id, o) for o in outs if o.request_id in held)
-        return [o for o in outs if o.request_id not in held]
-
-    router.deliver = lambda out: [deliver(o) for o in hold([out])]
-    router.deliver_batch = lambda outs: deliver_batch(hold(outs))
-    try:
-        _ORIGINAL["update_batch"](self)
-    finally:
-        router.deliver, router.deliver_batch = deliver, deliver_batch
-    due = prot.due_for_failing()
-    for rid, out in kept.items():  # finished in this update: its result is replaced by the failure
-        if rid in due and rid not in self.scheduler.active_requests:
-            out.status, out.error = RequestStatus.FAILED, str(due[rid])
-            deliver(out)
-    fail_quarantined(self, due)
+    return prot.quarantine.around_update(self, _ORIGINAL["update_batch"])  # type: ignore[no-any-return]
 
 
 def _generate_batch(self: Any, *args: Any, **kwargs: Any) -> Any:

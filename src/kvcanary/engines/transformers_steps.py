@@ -1,0 +1,127 @@
+"""transformers continuous batching: where a layer group's KV bytes live, and the Steps of a forward
+built from the batch's own metadata (``read_index``, ``write_index``, the requests' lengths)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcanary import checks
+from kvcanary.canary import Canary
+from kvcanary.config import CanaryConfig
+from kvcanary.engines import transformers_hooks as cb_hooks
+from kvcanary.engines.token_book import TokenBook
+from kvcanary.errors import UnsupportedError
+from kvcanary.layout import ByteSource, KvLayout
+from kvcanary.step import Step
+
+
+def group_layout(allocator: Any) -> tuple[KvLayout, int]:
+    """The layout of one CB layer group's K and V bytes, and its number of compact slots.
+
+    A group's cache is token rows ``[Hkv, D]``; block ``b`` holds, per layer ``i`` of the group, a
+    K page then a V page of ``tokens_per_page`` rows. The canary numbers slots compactly:
+    ``slot = block * tokens_per_page + offset``.
+    """
+    t = allocator.cache_tensor  # [total_tokens, 2, Hkv, D] in the cache dtype
+    es = t.element_size()
+    row = t.shape[2] * t.shape[3] * es
+    tpp, stride = allocator.tokens_per_page, allocator.block_physical_stride
+    num_pages = (t.shape[0] * 2) // stride
+    base = t.storage_offset() * es
+    sources = []
+    for i, layer in enumerate(allocator.layer_indices):
+        for h, half in enumerate("kv"):
+            sources.append(ByteSource(
+                name=f"layer{layer}.{half}", tensor=t, page_size=tpp, num_pages=num_pages,
+                page_stride=stride * row, token_stride=row, rows=1, row_stride=row, row_bytes=row,
+                offset=base + (2 * i + h) * tpp * row,
+            ))
+    return KvLayout(tuple(sources)), num_pages * tpp
+
+
+class Group:
+    """One layer group's canary and slot numbering."""
+
+    def __init__(self, name: str, index: int, allocator: Any, config: CanaryConfig) -> None:
+        self.name, self.index, self.allocator = name, index, allocator
+        layout, num_slots = group_layout(allocator)
+        self.canary = Canary(num_slots, layout, config)
+        self.tpp, self.stride = allocator.tokens_per_page, allocator.block_physical_stride
+        self.trash = allocator.write_trash_index
+
+    def compact(self, physical: torch.Tensor) -> torch.Tensor:
+        physical = physical.long()
+        return torch.div(physical, self.stride, rounding_mode="floor") * self.tpp + physical % self.stride
+
+    def block_slots(self, blocks: list[int] | set[int]) -> torch.Tensor:
+        b = torch.tensor(sorted(blocks) if isinstance(blocks, set) else blocks, dtype=torch.int64)
+        slots = (b[:, None] * self.tpp + torch.arange(self.tpp)).reshape(-1)
+        return cb_hooks.to_device(self.canary.device, slots)[0]
+
+    def holders(self, block: int) -> list[str]:
+        """The requests whose table in this group holds ``block``."""
+        return [rid for rid, blocks in self.allocator.block_table.items() if block in blocks]
+
+
+
+def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, batch: dict,
+                reqs: list | None = None) -> dict[str, Step]:
+    """One Step per layer group from a forward's own metadata, on the batch's device.
+
+    ``reqs`` are the batch's requests (default: read from the runner). Shapes come from the
+    requests' host-side lengths and the index tensors' own sizes, so no device value is read on
+    the host; host-built tensors travel through pinned memory.
+    """
+    if batch.get("block_table") is not None:
+        raise UnsupportedError(
+            "continuous batching's decode fast path (block tables for flash attention's kv-cache kernel) is "
+            "not covered; run with ContinuousBatchingConfig(max_blocks_per_request=0)")
+    if reqs is None:
+        reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
+    r = len(reqs)
+    if r == 0:
+        return {}
+    dev = batch["input_ids"].device
+    q_host = torch.tensor([fs.query_length for fs in reqs], dtype=torch.int64)
+    past_host = torch.tensor([fs.state.position_offset - fs.query_length for fs in reqs], dtype=torch.int64)
+    wrow_host, j = checks.rows_of(q_host)
+    total = wrow_host.shape[0]
+    width = max(1, int((past_host + q_host).max()))
+    wpos_host = past_host[wrow_host] + j
+    exp_host = None
+    if book is not None:
+        exp_host = book.streams([fs.state for fs in reqs], (past_host + q_host).tolist(), width)
+    past, wrow, wpos, exp_tok = cb_hooks.to_device(dev, past_host, wrow_host, wpos_host, exp_host)
+    exp_new = exp_tok[wrow, wpos] if exp_tok is not None else None
+    cu_q = batch["cu_seq_lens_q"][: r + 1].long()
+    q = cu_q[1:] - cu_q[:-1]
+    tokens = batch["input_ids"][0, :total]
+    positions = batch["position_ids"][0, :total]
+    steps = {}
+    for name, g in groups.items():
+        cu_k = batch["cu_seq_lens_k"]
+        cu_k = (cu_k[name] if isinstance(cu_k, dict) else cu_k)[: r + 1].long()
+        read = batch["read_index"][g.index]
+        # row r and column width are scratch: entries that are not cached reads land there
+        table = torch.full((r + 1, width + 1), -1, dtype=torch.int64, device=dev)
+        ncached = torch.zeros_like(q)
+        if read.numel():
+            ncached = cu_k[1:] - cu_k[:-1] - q
+            e = torch.arange(read.shape[0], device=dev)
+            rrow = torch.searchsorted(cu_k, e, right=True) - 1  # r past the last row's reads
+            rr = rrow.clamp(max=r - 1)
+            j = e - cu_k[rr]
+            cached = (rrow < r) & (j < ncached[rr])
+            pos = past[rr] - ncached[rr] + j
+            table[torch.where(cached, rr, r), torch.where(cached, pos, width)] = g.compact(read)
+        write = batch["write_index"][g.index][:total].long()
+        wslot = torch.where(write == g.trash, -1, g.compact(write))
+        table[wrow, wpos] = wslot
+        steps[name] = Step(
+            slot_table=table, cached_lens=past, read_starts=past - ncached, new_offsets=cu_q,
+            new_tokens=tokens, new_positions=positions, new_slots=wslot,
+            expected_tokens=exp_tok, expected_new_tokens=exp_new,
+        )
+    return steps
