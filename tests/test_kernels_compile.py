@@ -19,11 +19,12 @@ VERIFY = dict(stamps="*i64", num_slots="i64", table="*i32", width="i32", span="i
               cached="*i64", starts="*i64", valid="*i1", exp_tok="*i64", exp_w="i32", first="*i64", meta="*i64",
               cursor="*i64", src="*i64", nsrc="i32", ntiles="i32", bytes_per_slot="i32", counters="*i64", ring="*i64", cap="i32")
 TOKENS = dict(tokens="*i64", positions="*i64", offsets="*i64", rows="i32", steps="i32", cached="*i64", table="*i32",
-              width="i32", span="i32", bs="i32", table_rows="*i64", stamps="*i64", num_slots="i64", seeds="*i64")
+              width="i32", span="i32", bs="i32", table_rows="*i64", stamps="*i64", num_slots="i64", seeds="*i64",
+              over="*i64")
 WRITE = dict(stamps="*i64", num_slots="i64", tokens="*i32", positions="*i32", slots="*i64", offsets="*i64",
-             rows="i32", steps="i32", seeds="*i64", carry="*i64", contents="*i64", cached="*i64", valid="*i1",
+             rows="i32", steps="i32", seeds="*i64", over="*i64", carry="*i64", contents="*i64", cached="*i64", valid="*i1",
              table="*i32", width="i32", span="i32", bs="i32", table_rows="*i64", exp_tok="*i64", exp_pos="*i64",
-             counters="*i64", ring="*i64", cap="i32", n="i32", bytes_per_slot="i32")
+             counters="*i64", ring="*i64", cap="i32", n="i32", bytes_per_slot="i32", writers="*i64")
 CONTENT = dict(slots="*i64", out="*i64", n="i32", num_slots="i64", src="*i64", nsrc="i32", ntiles="i32")
 WINDOW = dict(cached="*i64", starts="*i64", valid="*i1", rows="i32", first="*i64", meta="*i64", cursor="*i64",
               counters="*i64", content_slots="i64")
@@ -71,13 +72,15 @@ def compile_all(out_dir):
                                                         HAS_VALID=va, HAS_EXP=ex, HAS_CONTENT=co, HAS_WINDOW=wi,
                                                         CHUNK=64, SAME_PS=True, EVEN=True), tag, out_dir, warps)
     compile_for_hopper(_window_kernel, WINDOW, dict(RB=1024, HAS_STARTS=True, HAS_VALID=True), "window", out_dir)
-    compile_for_hopper(_block_aggregates, {**TOKENS, "agg": "*i64", "n": "i32"},
-                       dict(BLOCK=256, BLOCK_TABLE=True, HAS_TROWS=False), "aggregates", out_dir)
+    compile_for_hopper(_block_aggregates, {**TOKENS, "agg": "*i64", "n": "i32", "slots": "*i64", "valid": "*i1",
+                                           "writers": "*i64"},
+                       dict(BLOCK=256, BLOCK_TABLE=True, HAS_TROWS=False, HAS_VALID=True, HAS_OVER=True),
+                       "aggregates", out_dir)
     compile_for_hopper(_carry, {"agg": "*i64", "carry": "*i64", "nblocks": "i32"}, dict(NB=128), "carry", out_dir)
     for flag in (True, False):
         compile_for_hopper(_write_kernel, WRITE, dict(BLOCK=256, SEEDED=flag, BLOCK_TABLE=flag, HAS_TROWS=flag,
                                                       HAS_VALID=flag, HAS_EXP_TOK=flag, HAS_EXP_POS=flag,
-                                                      HAS_CONTENT=flag), f"write_{flag}", out_dir)
+                                                      HAS_CONTENT=flag, HAS_OVER=flag), f"write_{flag}", out_dir)
     for chunk, even in ((64, True), (32, False), (2, True)):
         consts = dict(BLOCK=content_block(chunk), CHUNK=chunk, SAME_PS=even, EVEN=even)
         compile_for_hopper(_content_kernel, CONTENT, consts, f"content_{chunk}_{even}", out_dir)

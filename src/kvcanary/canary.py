@@ -127,6 +127,7 @@ class Canary:
         self.scrub_cursor = 0
         self.internal_errors = 0
         self.disabled = False  # set when even forgetting every stamp failed: nothing is checked after
+        self.unknown_possible = False  # some slot may be unknown: stamping seeds such rows from the prefix
         self.history: collections.deque[Violation] = collections.deque(maxlen=self.config.history)
         self.callbacks = list(on_violation)
 
@@ -172,10 +173,12 @@ class Canary:
         written while the canary was not watching. Reads of them are counted as unverifiable, never
         reported, until the engine writes them again (stamped) or frees them (:meth:`release`)."""
         checks.set_state(self.stamps, self._slots_arg("slots", slots), checks.UNKNOWN_STAMP)
+        self.unknown_possible = True
 
     def forget_all(self) -> None:
         """Put every slot in the unknown state (after a failure whose damage cannot be bounded)."""
         try:
+            self.unknown_possible = True
             checks.set_state(self.stamps, None, checks.UNKNOWN_STAMP)
         except Exception as e:  # the pool cannot even be written: stop checking rather than guess
             self.disabled = True
@@ -203,9 +206,8 @@ class Canary:
         step.validate_shapes()
         if step.cached_lens.device != self.device:
             raise UnsupportedError(f"step tensors on {step.cached_lens.device}, the canary's pool on {self.device}")
-        if self.validate and getattr(step, "_validated_for", None) != self.num_slots:
-            step.validate_values(self.num_slots)
-            step._validated_for = self.num_slots  # type: ignore[attr-defined]  # once per step object
+        if self.validate:
+            step.validate_once(self.num_slots)  # again whenever a tensor of the step changed in place
 
     @_guarded()
     def before_forward(self, step: Step) -> None:
@@ -228,7 +230,10 @@ class Canary:
         if self.backend == "triton":
             from kvcanary.kernels import stamp
 
-            stamp.stamp(self.stamps, self._src_table, step, self.ring.counters, self.ring.rows)
+            # while unknown slots may exist, a torch prologue works out the seeds of rows that
+            # follow one (it reads the step on the host); otherwise the kernel seeds every row itself
+            seeds = checks.canonical_seeds(self.stamps, step) if self.unknown_possible else None
+            stamp.stamp(self.stamps, self._src_table, step, self.ring.counters, self.ring.rows, seeds=seeds)
         else:
             rows = checks.stamp(self.stamps, self.layout, step, self.ring.counters, self.step_id)
             self.ring.append(rows)
@@ -281,7 +286,10 @@ class Canary:
         if not isinstance(stamps, torch.Tensor) or stamps.shape != (slots.shape[0], 4):
             got = tuple(stamps.shape) if isinstance(stamps, torch.Tensor) else type(stamps).__name__
             raise KvCanaryError(f"stamps: expected shape ({slots.shape[0]}, 4), got {got}")
-        self.stamps[slots] = stamps.to(self.device, torch.int64)
+        stamps = stamps.to(self.device, torch.int64)
+        if not self.unknown_possible:  # a copy of slots the canary lost track of stays unknown
+            self.unknown_possible = bool((stamps[:, checks.POSITION] == checks.UNKNOWN_POS).any())
+        self.stamps[slots] = stamps
         rows = checks.scrub(self.stamps, self.layout, slots, self.ring.counters, self.step_id, Site.TRANSFER)
         self.ring.append(rows)
 
@@ -294,6 +302,8 @@ class Canary:
             return []
         try:
             found = self.ring.drain()
+            if self.unknown_possible:  # the drain synced already; one more look at the pool
+                self.unknown_possible = bool((self.stamps[:, checks.POSITION] == checks.UNKNOWN_POS).any())
         except Exception as e:
             if self.config.mode == "raise":
                 raise

@@ -23,6 +23,7 @@ EMPTY_STAMP = (-1, EMPTY_POS, 0, 0)
 UNKNOWN_STAMP = (-1, UNKNOWN_POS, 0, 0)
 _SEED = hashing.signed(hashing.LINK_SEED)
 _B = hashing.signed(hashing.LINK_B)
+_SEED_B = hashing.signed(hashing.LINK_SEED * hashing.LINK_B)
 
 
 def new_stamps(num_slots: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -64,6 +65,47 @@ def row_seeds(stamps: torch.Tensor, step: Step) -> torch.Tensor:
     ok = (cached > 0) & (pslot >= 0) & (pslot < stamps.shape[0])
     pred_link = torch.where(ok, stamps[torch.where(ok, pslot, 0), LINK], 0)
     return torch.where(cached > 0, pred_link, _SEED)
+
+
+SEED_STORED, SEED_GIVEN, SEED_UNKNOWN = 0, 1, 2  # how a row's chain of new tokens is seeded
+
+
+def canonical_seeds(stamps: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeds for rows whose chain would start from an unknown slot, int64 ``[R]`` each.
+
+    A link must be a function of the prefix alone (prefix caches swap identical blocks between
+    requests), so a row whose predecessor slot is unknown cannot seed from that slot's stamp.
+    Where the step knows the row's whole prefix (``expected_tokens``, no -1 before ``cached_len``)
+    the seed is the prefix's own link, computed by a scan (``SEED_GIVEN``); otherwise the row's new
+    tokens are stamped unknown too (``SEED_UNKNOWN``). Other rows keep seeding from the stored
+    stamp (``SEED_STORED``). Reads tensor values: the CPU path, or a prologue while unknown slots
+    may exist.
+    """
+    r = step.num_rows
+    cached = step.cached_lens.long()
+    pslot = step.lookup(torch.arange(r, device=cached.device), cached - 1)
+    inside = (pslot >= 0) & (pslot < stamps.shape[0])
+    unknown = (cached > 0) & inside & (stamps[torch.where(inside, pslot, 0), POSITION] == UNKNOWN_POS)
+    unknown &= step.valid_rows()
+    mode = torch.where(unknown, SEED_UNKNOWN, SEED_STORED)
+    seed = torch.zeros(r, dtype=torch.int64, device=cached.device)
+    et = step.expected_tokens
+    if et is None or not bool(unknown.any()):
+        return seed, mode
+    rows = unknown.nonzero().squeeze(1)
+    n = cached[rows].clamp(max=et.shape[1])
+    row, p = rows_of(n)
+    tok = et[rows[row], p].long()
+    missing = torch.zeros(rows.shape[0], dtype=torch.int64, device=cached.device)
+    missing.index_add_(0, row, (tok < 0).long())  # tokens of the prefix the step does not know
+    full = (missing == 0) & (n == cached[rows])
+    head = torch.where(p == 0, _SEED_B, 0)
+    link = hashing.affine_scan(torch.where(p == 0, 0, _B), hashing.g_term(tok, p) + head)
+    last = torch.cumsum(n, 0) - 1
+    got = link[last.clamp(min=0)]
+    seed[rows] = torch.where(full, got, 0)
+    mode[rows] = torch.where(full, SEED_GIVEN, SEED_UNKNOWN)
+    return seed, mode
 
 
 _BUMP_IDX: dict[tuple[object, ...], torch.Tensor] = {}
@@ -182,13 +224,18 @@ def stamp(
     step: Step,
     counters: torch.Tensor,
     step_id: int,
+    seeds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Stamp every slot the step wrote (after the forward), and check the writes.
 
     The links of all new tokens come from one parallel scan; each row's chain starts from the
     stamp of the slot at ``cached_len - 1`` (or the seed at a sequence head). Padding tokens
     (slot < 0) advance their row's chain but are not stamped; padding rows stamp nothing. Two
-    tokens of one step written to one slot is an engine bug whose stamp is unspecified.
+    tokens of one step written to one slot is an engine bug: each of them is reported
+    (``WRITE_DUPLICATE``) and the slot is left unstamped.
+
+    A row whose predecessor slot is unknown seeds from its prefix instead (:func:`canonical_seeds`;
+    ``seeds`` passes them in when already computed), or stamps its slots unknown.
 
     Parameters
     ----------
@@ -204,7 +251,9 @@ def stamp(
     stamped = writes & (slot < stamps.shape[0])  # a slot outside the pool is reported, not stamped
     exp_pos = cached[row] + j
 
-    seed = row_seeds(stamps, step)[row]
+    given, mode = canonical_seeds(stamps, step) if seeds is None else seeds
+    seed = torch.where(mode == SEED_GIVEN, given, row_seeds(stamps, step))[row]
+    lost = (mode == SEED_UNKNOWN)[row]  # a chain whose prefix is unknown: its slots become unknown too
     head = j == 0
     g = hashing.g_term(tok, pos)
     # every token of a row advances its chain, padding ones too (a window engine sends the oldest
@@ -232,13 +281,31 @@ def stamp(
     w = stamped.nonzero().squeeze(1)
     ws = slot[w]
     content = layout.fingerprint(ws)
-    stamps[ws] = torch.stack([tok[w], pos[w], link[w], content], dim=1)
-    _bump(counters, (Counter.SLOTS_STAMPED, w.shape[0]),
-          (Counter.CONTENT_BYTES_STAMPED, w.shape[0] * layout.content_bytes_per_slot))
+    # which of two writes to one slot landed is unknown: EMPTY makes a later read of it a violation
+    srt, order = torch.sort(ws)
+    eq = srt[1:] == srt[:-1]
+    twin = torch.zeros(srt.shape, dtype=torch.bool, device=ws.device)  # sorted: equal to a neighbour
+    twin[1:] |= eq
+    twin[:-1] |= eq
+    dup_w = torch.empty_like(twin)
+    dup_w[order] = twin
+    gone = lost[w] & ~dup_w
+    kept = ~dup_w & ~gone
+    stamps[ws[kept]] = torch.stack([tok[w], pos[w], link[w], content], dim=1)[kept]
+    if bool(dup_w.any()):
+        stamps[ws[dup_w]] = torch.tensor(EMPTY_STAMP, dtype=torch.int64, device=stamps.device)
+    if bool(gone.any()):
+        stamps[ws[gone]] = torch.tensor(UNKNOWN_STAMP, dtype=torch.int64, device=stamps.device)
+    dup = torch.zeros_like(stamped)
+    dup[w] = dup_w
+    failed |= dup
+    nkept = int(kept.sum())
+    _bump(counters, (Counter.SLOTS_STAMPED, nkept),
+          (Counter.CONTENT_BYTES_STAMPED, nkept * layout.content_bytes_per_slot))
     if not bool(failed.any()):
         return torch.empty(0, NUM_FIELDS, dtype=torch.int64, device=tok.device)
     checks = (wpos_bad * int(Check.WRITE_POSITION) + wtab_bad * int(Check.WRITE_TABLE)
-              + out_bad * int(Check.BAD_SLOT))
+              + out_bad * int(Check.BAD_SLOT) + dup * int(Check.WRITE_DUPLICATE))
     if tok_bad is not None:
         checks += tok_bad * int(Check.WRITE_INPUT_TOKEN)
     if epos_bad is not None:

@@ -59,11 +59,16 @@ class CanaryConfig:
         if self.content not in CONTENTS:
             raise ConfigError(f"content: expected one of {CONTENTS}, got {self.content!r}")
         b = self.content_budget_bytes
-        if not (b is None or b == "auto" or (isinstance(b, int) and b >= 0)):
-            raise ConfigError(f"content_budget_bytes: expected an integer >= 0, 'auto' or None, got {b!r}")
+        if not (b is None or (isinstance(b, str) and b == "auto") or (_is_int(b) and b >= 0)):
+            raise ConfigError(f"content_budget_bytes: expected an integer >= 0, 'auto' or None, got {_shown(b)}")
         for name in ("ring_capacity", "scrub_slots", "history"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise ConfigError(f"{name}: expected an integer >= 1, got {_shown(v)}")
+            if v < 1:
+                raise ConfigError(f"{name}: expected >= 1, got {v}")
+        if self.validate is not None and not isinstance(self.validate, bool):
+            raise ConfigError(f"validate: expected True, False or None, got {_shown(self.validate)}")
 
     def budget_for(self, device_type: str) -> int | None:
         """The per-verify content budget in bytes on a device of this type (``None``: unlimited)."""
@@ -84,6 +89,14 @@ class CanaryConfig:
                 except ValueError as e:
                     raise ConfigError(f"{var}: {e}") from None
         return replace(base, **changes)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python, not a count
+
+
+def _shown(v: object) -> str:
+    return f"{type(v).__name__} {v!r}"
 
 
 def _budget(s: str) -> int | None | str:

@@ -26,6 +26,7 @@ from kvcanary.errors import LayoutError
 
 LOAD_WIDTH = 16  # bytes: content reads are whole 16-byte loads
 MAX_SOURCES = 256  # entries in the fixed-size source table the kernels take
+MAX_OVERLAP_RUNS = 1 << 22  # byte runs the overlap check lists per storage; beyond, it is skipped
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +61,14 @@ class ByteSource:
         for k in ("page_size", "num_pages", "rows", "row_bytes"):
             if getattr(self, k) < 1:
                 raise LayoutError(f"source {self.name!r}: {k} must be >= 1, got {getattr(self, k)}")
+        for k, n, what in (("offset", 1, ""), ("page_stride", self.num_pages, "pages"),
+                           ("token_stride", self.page_size, "slots per page"), ("row_stride", self.rows, "rows")):
+            v = getattr(self, k)
+            if v < 0:
+                raise LayoutError(f"source {self.name!r}: {k}: expected >= 0 bytes, got {v}")
+            if v == 0 and n > 1:  # a stride is free only along a dimension of one
+                raise LayoutError(f"source {self.name!r}: {k}: expected > 0 bytes with {n} {what} (they would "
+                                  "share bytes), got 0")
         implicit = self.read_bytes is None
         rb = self.bytes_per_token if self.read_bytes is None else self.read_bytes
         object.__setattr__(self, "read_bytes", rb)
@@ -201,6 +210,64 @@ def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return all(n == 1 or s == d for n, s, d in zip(shape, strides, _dense_strides(shape)))
 
 
+def _dims(s: ByteSource) -> list[tuple[int, int]]:
+    """(count, stride) of each dimension of more than one along which a source repeats its runs
+    of ``row_bytes``, the largest stride first."""
+    dims = ((s.num_pages, s.page_stride), (s.page_size, s.token_stride), (s.rows, s.row_stride))
+    return sorted(((n, st) for n, st in dims if n > 1), key=lambda d: -d[1])
+
+
+def _run_starts(s: ByteSource, outer: int) -> torch.Tensor:
+    """Start bytes of the source's runs whose index along its outermost dimension is below ``outer``."""
+    starts = torch.tensor([s.offset])
+    for i, (n, st) in enumerate(_dims(s)):
+        starts = (starts[:, None] + torch.arange(min(n, outer) if i == 0 else n) * st).reshape(-1)
+    return starts
+
+
+def _check_disjoint(group: Sequence[ByteSource]) -> None:
+    """Raise unless no byte of one storage is covered twice, by two sources of ``group`` or by two
+    slots or rows of one.
+
+    When every source repeats with the same outermost stride ``S`` (pages of one tensor), an overlap
+    shifted by whole periods stays an overlap, so one at outer indices ``(0, k)`` exists, with ``k * S``
+    below the group's byte spread: listing the first few periods of each source is exact. Other
+    groups are listed whole, up to ``MAX_OVERLAP_RUNS`` runs.
+    """
+    dims = [_dims(s) for s in group]
+    outer = {d[0][1] if d else 0 for d in dims}
+    count = [d[0][0] if d else 1 for d in dims]
+    periods = max(count)
+    if len(outer) == 1 and 0 not in outer:
+        inner = [s.offset + s.row_bytes + sum((n - 1) * st for n, st in d[1:]) for s, d in zip(group, dims)]
+        periods = (max(inner) - min(s.offset for s in group)) // next(iter(outer)) + 2
+    total = sum(min(c, periods) * s.rows * s.num_slots // c for s, c in zip(group, count))
+    if total > MAX_OVERLAP_RUNS:
+        return
+    starts = [_run_starts(s, periods) for s in group]
+    start = torch.cat(starts)
+    end = torch.cat([st + s.row_bytes for st, s in zip(starts, group)])
+    who = torch.cat([torch.full_like(st, i) for i, st in enumerate(starts)])
+    order = torch.argsort(start, stable=True)
+    start, end, who = start[order], end[order], who[order]
+    hit = (start[1:] < torch.cummax(end, 0).values[:-1]).nonzero()  # a run begins before an earlier one ends
+    if not hit.numel():
+        return
+    i = int(hit[0]) + 1
+    j = int((end[:i] > start[i]).nonzero()[0])
+    a, b, at = group[int(who[j])], group[int(who[i])], int(start[i])
+    if a is b:
+        raise LayoutError(
+            f"source {a.name!r}: two of its slots or rows both cover byte {at} of the storage (page_stride "
+            f"{a.page_stride}, token_stride {a.token_stride}, row_stride {a.row_stride}, row_bytes {a.row_bytes}); "
+            "expected every byte in at most one slot's row"
+        )
+    raise LayoutError(
+        f"sources {a.name!r} (offset {a.offset}) and {b.name!r} (offset {b.offset}) both cover byte {at} of "
+        "their storage: expected sources over disjoint bytes"
+    )
+
+
 @dataclass(frozen=True, eq=False)
 class KvLayout:
     """An ordered list of byte sources over one pool of KV slots (empty: metadata only)."""
@@ -217,6 +284,11 @@ class KvLayout:
         devs = {s.tensor.device for s in self.sources}
         if len(devs) > 1:
             raise LayoutError(f"layout sources live on several devices: {sorted(map(str, devs))}")
+        by_storage: dict[int, list[ByteSource]] = {}
+        for s in self.sources:
+            by_storage.setdefault(s.tensor.untyped_storage().data_ptr(), []).append(s)
+        for group in by_storage.values():
+            _check_disjoint(group)
         object.__setattr__(self, "_runs", _fuse_runs(self.sources))
 
     @property

@@ -14,13 +14,18 @@ token whose slot is negative is a padding token that is not written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from kvcanary.errors import StepError
 
 _INT_DTYPES = (torch.int32, torch.int64)
+# = canary.MAX_SLOTS: no pool reaches it, and a table entry at most this / block_size times
+# block_size, plus an in-block offset, still fits int64
+_SLOT_LIMIT = 1 << 62
 
 
 @dataclass
@@ -80,8 +85,14 @@ class Step:
 
     def validate_shapes(self) -> None:
         """Check kinds, dtypes, shapes and devices (no value reads: safe under graph capture)."""
+        for name in _TENSOR_FIELDS:  # kinds first: the shape checks below read .shape and .device
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, torch.Tensor):
+                raise StepError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
         if (self.slot_table is None) == (self.block_table is None):
             raise StepError("a step needs exactly one of slot_table or block_table")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise StepError(f"block_size: expected an int, got {type(self.block_size).__name__} {self.block_size!r}")
         if self.block_size < 1:
             raise StepError(f"block_size must be >= 1, got {self.block_size}")
         if self.slot_table is not None and self.block_size != 1:
@@ -107,8 +118,6 @@ class Step:
             v = getattr(self, name)
             if v is None:
                 continue
-            if not isinstance(v, torch.Tensor):
-                raise StepError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
             want_dtype = (torch.bool,) if name == "row_valid" else _INT_DTYPES
             if v.dtype not in want_dtype:
                 raise StepError(f"{name}: expected dtype {' or '.join(map(str, want_dtype))}, got {v.dtype}")
@@ -143,8 +152,60 @@ class Step:
         if self.table_rows is not None:
             _check((self.table_rows >= 0) & (self.table_rows < self.table.shape[0]), "table_rows",
                    self.table_rows, f"in [0, {self.table.shape[0]})")
+        if self.block_table is not None:
+            self._check_blocks(num_slots, valid, span)
         _check(self.new_slots < num_slots, "new_slots", self.new_slots, f"< num_slots {num_slots}")
         _check(self.new_positions >= 0, "new_positions", self.new_positions, ">= 0")
+
+    def _check_blocks(self, num_slots: int, valid: torch.Tensor, ends: torch.Tensor) -> None:
+        """Every block table entry a valid row addresses (its positions ``read_starts .. ends - 1``)
+        must map the positions used in it to slots in ``[0, num_slots)``. The bound is on the entry
+        itself, so an entry whose product with ``block_size`` wraps int64 cannot pass."""
+        assert self.block_table is not None
+        bs, width = self.block_size, self.block_table.shape[1]
+        rows = torch.arange(self.num_rows, device=ends.device)
+        trow = rows if self.table_rows is None else self.table_rows.long()
+        entry = self.block_table.long()[trow]  # [R, width]
+        first = torch.arange(width, device=ends.device) * bs  # first position of each block column
+        lo, hi = self.starts()[:, None], ends.long()[:, None]
+        used = valid[:, None] & (first < hi) & (first + bs > lo)
+        last_off = torch.minimum(hi, first + bs) - 1 - first  # the largest in-block offset used
+        limit = torch.div(num_slots - 1 - last_off, bs, rounding_mode="floor")
+        bad = (used & ((entry < 0) | (entry > limit))).nonzero()
+        if bad.numel():
+            r, c = (int(x) for x in bad[0])
+            raise StepError(
+                f"block_table[{int(trow[r])}, {c}] (step row {r}): expected a block in [0, {int(limit[r, c])}], "
+                f"whose slots stay below num_slots {num_slots} with block_size {bs}, got {int(entry[r, c])}"
+            )
+
+    def validate_once(self, num_slots: int) -> None:
+        """:meth:`validate_values`, skipped when this step already passed for ``num_slots`` and none
+        of its tensors was replaced, resized or written in place since (engines refill persistent
+        buffers in place: torch bumps a tensor's ``_version`` on every in-place write). Writes torch
+        cannot see (through ``.data``, DLPack, a custom kernel) and inference-mode tensors, which
+        have no version counter, are not tracked: a step holding one is validated every call.
+        Call after :meth:`validate_shapes`."""
+        key = self._memo_key(num_slots)
+        memo = self.__dict__.get("_validated_memo")
+        if key is not None and memo is not None and _same_key(memo, key):
+            return
+        self.validate_values(num_slots)
+        self.__dict__["_validated_memo"] = key
+
+    def _memo_key(self, num_slots: int) -> list[Any] | None:
+        key: list[Any] = [num_slots, self.block_size]
+        for name in _TENSOR_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, torch.Tensor):
+                key.append(None)
+                continue
+            if v.is_inference():
+                return None
+            # the weak reference tells a replaced tensor from the validated one even where the new
+            # one got the old one's id and memory
+            key.append((weakref.ref(v), v._version, v.data_ptr(), v.shape, v.stride(), v.dtype, v.device))
+        return key
 
     def valid_rows(self) -> torch.Tensor:
         if self.row_valid is None:
@@ -159,7 +220,9 @@ class Step:
     def lookup(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Slots of ``positions`` in step ``rows`` (both int64 ``[n]``), int64 ``[n]``.
 
-        Positions outside the table map to -1.
+        Positions outside the table map to -1, and so do block table entries too large in
+        magnitude to address a slot (``|entry| * block_size > 2**62``): their product with
+        ``block_size`` could wrap int64 onto a real slot.
         """
         trow = rows if self.table_rows is None else self.table_rows.long()[rows]
         p = positions.clamp(0, self.table_span - 1)
@@ -168,8 +231,25 @@ class Step:
             s = self.slot_table[trow, p].long()
         else:
             bs = self.block_size
-            s = self.table[trow, torch.div(p, bs, rounding_mode="floor")].long() * bs + p % bs
+            e = self.table[trow, torch.div(p, bs, rounding_mode="floor")].long()
+            lim = _SLOT_LIMIT // bs
+            inside &= (e >= -lim) & (e <= lim)
+            s = e.clamp(-lim, lim) * bs + p % bs
         return torch.where(inside, s, -1)
+
+
+_TENSOR_FIELDS = tuple(f.name for f in fields(Step) if f.name != "block_size")
+
+
+def _same_key(a: list[Any], b: list[Any]) -> bool:
+    """Whether two memo keys describe the same tensors in the same state."""
+    for x, y in zip(a, b):
+        if isinstance(x, tuple) and isinstance(y, tuple):
+            if x[0]() is None or x[0]() is not y[0]() or x[1:] != y[1:]:
+                return False
+        elif x != y:
+            return False
+    return len(a) == len(b)
 
 
 def _check(ok: torch.Tensor, name: str, values: torch.Tensor, expected: str) -> None:

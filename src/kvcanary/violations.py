@@ -26,6 +26,7 @@ class Check(enum.IntFlag):
     WRITE_TABLE = 128  # a new token was written to another slot than the table holds for its position
     WRITE_INPUT_TOKEN = 256  # a new token differs from the expected input stream
     WRITE_INPUT_POSITION = 512  # a new token's position differs from the expected input stream
+    WRITE_DUPLICATE = 1024  # two tokens of one step wrote one slot (each is reported; the slot is left unstamped)
 
 
 class Site(enum.IntEnum):
@@ -94,7 +95,9 @@ class Violation:
 
     @classmethod
     def from_row(cls, r: list[int]) -> "Violation":
-        return cls(Site(r[F_SITE]), Check(r[F_CHECKS]), *r[F_STEP:NUM_FIELDS])
+        (step, row, slot, position, exp_tok, tok, pos, exp_link, link, exp_cont, cont, aux) = r[F_STEP:NUM_FIELDS]
+        return cls(Site(r[F_SITE]), Check(r[F_CHECKS]), step, row, slot, position, exp_tok, tok, pos, exp_link, link,
+                   exp_cont, cont, aux)
 
     def describe(self) -> str:
         names = "|".join(c.name or "?" for c in Check if c in self.checks)

@@ -38,7 +38,11 @@ def lookup(table, trow, p, width, span, bs, BLOCK_TABLE: tl.constexpr):
     inside = (p >= 0) & (p < span)
     q = tl.where(inside, p, 0)
     if BLOCK_TABLE:
-        s = tl.load(table + trow * width + q // bs, mask=inside, other=0).to(tl.int64) * bs + q % bs
+        e = tl.load(table + trow * width + q // bs, mask=inside, other=0).to(tl.int64)
+        if table.dtype.element_ty == tl.int64:  # only a 64-bit entry past 2**62 / block_size can wrap
+            lim = tl.full([], 4611686018427387904, tl.int64) // bs
+            inside = inside & (e >= -lim) & (e <= lim)
+        s = e * bs + q % bs
     else:
         s = tl.load(table + trow * width + q, mask=inside, other=0).to(tl.int64)
     return tl.where(inside, s, -1)

@@ -1,0 +1,343 @@
+"""Validation gaps closed: every bad value gets a kvcanary error naming it and what was expected, and
+what validation cannot stop (duplicate writes, wrapping table entries with ``validate`` off) is
+reported as a violation on both paths."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from kvcanary import ByteSource, Canary, CanaryConfig, ConfigError, KvLayout, LayoutError, Step, StepError, checks
+from kvcanary.violations import F_CHECKS, F_ROW, F_SLOT, NUM_COUNTERS, NUM_FIELDS, Check, Counter
+
+from factories import paged_layout, random_step, step_to
+
+NS, BS = 64, 4
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Triton: interpreted on a CPU
+
+
+def row_step(cached, new, table, block_size=BS, slots=None):
+    """One row: ``cached`` tokens cached, ``new`` new tokens at the next positions, slots from the table."""
+    table = torch.tensor(table, dtype=torch.int64).view(1, -1)
+    pos = torch.arange(cached, cached + new)
+    if slots is None:
+        slots = (table[0, pos // block_size] * block_size + pos % block_size).tolist()
+    return Step(cached_lens=torch.tensor([cached]), new_offsets=torch.tensor([0, new]),
+                new_tokens=torch.tensor([100 + int(p) for p in pos], dtype=torch.int64),
+                new_positions=pos, new_slots=torch.tensor(slots, dtype=torch.int64), block_table=table,
+                block_size=block_size)
+
+
+# ---- 1. block table entries outside the pool, without int64 overflow ---------------------------
+
+@pytest.mark.parametrize("entry", [16, -1, 1 + (1 << 62), 1 << 61, -(1 << 63)])
+def test_block_entry_outside_the_pool_is_rejected(entry):
+    step = row_step(8, 0, [0, entry])
+    with pytest.raises(StepError, match=rf"block_table\[0, 1\] \(step row 0\): expected a block in \[0, 15\], "
+                                        rf"whose slots stay below num_slots 64 with block_size 4, got {entry}$"):
+        step.validate_values(NS)
+
+
+def test_block_entry_names_the_table_row_and_the_write_range():
+    step = row_step(3, 2, [0, 1])  # position 4, written this step, lies in block column 1
+    step.table_rows = torch.tensor([1])
+    step.block_table = torch.tensor([[0, 1], [2, 99]])
+    with pytest.raises(StepError, match=r"block_table\[1, 1\] \(step row 0\): expected a block in \[0, 15\].* got 99"):
+        step.validate_values(NS)
+
+
+def test_only_the_block_entries_the_step_addresses_are_checked():
+    row_step(5, 1, [0, 1, 999, -7]).validate_values(NS)  # the row uses columns 0 and 1 only
+    s = row_step(5, 1, [999, 1])
+    s.read_starts = torch.tensor([4])  # a window: column 0 is not read
+    s.validate_values(NS)
+    s.read_starts = torch.tensor([3])
+    with pytest.raises(StepError, match=r"block_table\[0, 0\] .* got 999"):
+        s.validate_values(NS)
+
+
+def test_a_partial_last_block_is_checked_per_offset():
+    row_step(2, 0, [15]).validate_values(62)  # slots 60, 61 of a pool of 62
+    with pytest.raises(StepError, match=r"block_table\[0, 0\].*expected a block in \[0, 14\].* got 15"):
+        row_step(3, 0, [15]).validate_values(62)  # slot 62 is outside
+
+
+def _stamped_canary(table, validate=False, backend="torch"):
+    canary = Canary(NS, config=CanaryConfig(mode="log", validate=validate, backend=backend))
+    canary.after_forward(row_step(0, 8, table))
+    assert canary.poll() == []
+    return canary
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_entry_that_wraps_int64_is_a_bad_slot_not_a_wrapped_one(backend):
+    # (1 + 2**62) * 4 wraps to 4: block 1, which holds exactly what the row expects
+    step = row_step(8, 0, [0, 1 + (1 << 62)])
+    assert step.lookup(torch.zeros(8, dtype=torch.int64), torch.arange(8)).tolist() == [0, 1, 2, 3] + [-1] * 4
+    canary = _stamped_canary([0, 1], backend=backend)
+    canary.before_forward(step)
+    found = canary.poll()
+    assert [(v.checks, v.position) for v in found] == [(Check.BAD_SLOT, p) for p in range(4, 8)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_entry_that_wraps_int64_is_a_write_table_violation(backend):
+    canary = _stamped_canary([0, 1], backend=backend)
+    step = row_step(8, 1, [0, 1, 2 + (1 << 62)], slots=[8])  # (2 + 2**62) * 4 wraps to 8
+    canary.after_forward(step)
+    assert [(v.checks, v.slot, v.aux) for v in canary.poll()] == [(Check.WRITE_TABLE, 8, -1)]
+
+
+# ---- 2. the validation memo sees in-place writes ---------------------------------------------
+
+def good():
+    step, _ = random_step(random.Random(0), NS, BS, [(5, 2), (3, 1)])
+    return step
+
+
+def counted(monkeypatch):
+    calls = []
+    orig = Step.validate_values
+    monkeypatch.setattr(Step, "validate_values", lambda self, n: (calls.append(n), orig(self, n)))
+    return calls
+
+
+def test_validate_once_skips_an_unchanged_step(monkeypatch):
+    calls = counted(monkeypatch)
+    s = good()
+    s.validate_once(NS)
+    s.validate_once(NS)
+    assert calls == [NS]
+    s.validate_once(NS + 4)  # another pool
+    assert calls == [NS, NS + 4]
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda s: s.new_slots.__setitem__(0, NS), "new_slots: expected < num_slots 64, got 64 at index 0"),
+    (lambda s: s.block_table.__setitem__((0, 1), 1 << 62), r"block_table\[0, 1\] .*got 4611686018427387904"),
+    (lambda s: s.cached_lens[1:].fill_(-1), "cached_lens: expected >= 0, got -1 at index 1"),  # through a view
+    (lambda s: s.new_offsets.copy_(torch.tensor([0, 3, 2])), "new_offsets increments: expected non-decreasing"),
+])
+def test_validate_once_sees_an_in_place_write(mutate, msg):
+    s = good()
+    s.validate_once(NS)
+    mutate(s)
+    with pytest.raises(StepError, match=msg):
+        s.validate_once(NS)
+
+
+def test_validate_once_sees_an_in_place_write_that_would_index_out_of_the_table():
+    s = good()
+    s.table_rows = torch.tensor([0, 1])
+    s.validate_once(NS)
+    s.table_rows[1] = 9  # unvalidated, lookup would fail with a bare IndexError
+    with pytest.raises(StepError, match=r"table_rows: expected in \[0, 2\), got 9 at index 1"):
+        s.validate_once(NS)
+
+
+def test_validate_once_sees_a_replaced_tensor():
+    s = good()
+    s.validate_once(NS)
+    s.new_slots = s.new_slots.clone()
+    s.new_slots[0] = NS
+    with pytest.raises(StepError, match="new_slots: expected < num_slots 64"):
+        s.validate_once(NS)
+
+
+def test_validate_once_always_validates_inference_tensors(monkeypatch):
+    calls = counted(monkeypatch)
+    with torch.inference_mode():
+        s = good()
+        s.validate_once(NS)
+        s.validate_once(NS)
+    assert calls == [NS, NS]  # no version counter to trust
+
+
+# ---- 3. two tokens writing one slot ------------------------------------------------------------
+
+def dup_step(rows=((0, 3), (0, 3)), same_tokens=False):
+    """Rows of fresh sequences over block size 1; row 1's third new token is written to row 0's third
+    token's slot, and row 1's table agrees (a double allocation). Returns the step and that slot."""
+    tab = torch.arange(len(rows) * 8).view(len(rows), 8)
+    offs, toks, poss, slots = [0], [], [], []
+    for r, (c, n) in enumerate(rows):
+        for p in range(c, c + n):
+            toks.append(7 + p if same_tokens else 100 * r + p)
+            poss.append(p)
+            slots.append(int(tab[r, p]))
+        offs.append(len(toks))
+    a, b = 2, offs[1] + 2
+    slots[b] = slots[a]
+    tab[1, poss[b]] = slots[a]
+    return Step(cached_lens=torch.tensor([c for c, _ in rows]), new_offsets=torch.tensor(offs),
+                new_tokens=torch.tensor(toks), new_positions=torch.tensor(poss), new_slots=torch.tensor(slots),
+                block_table=tab, block_size=1), slots[a]
+
+
+@pytest.mark.parametrize("same_tokens", [False, True])
+def test_duplicate_write_is_reported_for_both_tokens_and_leaves_the_slot_unstamped(same_tokens):
+    step, slot = dup_step(same_tokens=same_tokens)
+    stamps = checks.new_stamps(NS)
+    counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64)
+    rows = checks.stamp(stamps, KvLayout(), step, counters, 0)
+    assert sorted((int(r[F_ROW]), int(r[F_SLOT]), int(r[F_CHECKS])) for r in rows) == [
+        (0, slot, Check.WRITE_DUPLICATE), (1, slot, Check.WRITE_DUPLICATE)]
+    assert stamps[slot].tolist() == list(checks.EMPTY_STAMP)
+    assert int(counters[Counter.SLOTS_STAMPED]) == step.num_new - 2
+
+
+def test_duplicate_write_is_recorded_with_validate_off_and_a_later_read_fails():
+    canary = Canary(NS, config=CanaryConfig(mode="log", validate=False))
+    step, slot = dup_step()
+    canary.after_forward(step)
+    found = canary.poll()
+    assert [(v.row, v.slot) for v in found if Check.WRITE_DUPLICATE in v.checks] == [(0, slot), (1, slot)]
+    assert Check.WRITE_DUPLICATE.name in found[0].describe()
+
+
+def _stamp_both(step, layout, block, rounds=1):
+    from kvcanary.kernels import stamp as kstamp
+    from kvcanary.kernels._common import source_table
+
+    step = step_to(step, DEV)
+    st_t, st_k = checks.new_stamps(NS, DEV), checks.new_stamps(NS, DEV)
+    table = source_table(layout, DEV)
+    for _ in range(rounds):  # the writer counts must be back at zero after each step
+        c_t, c_k = (torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=DEV) for _ in range(2))
+        ring = torch.zeros(64, NUM_FIELDS, dtype=torch.int64, device=DEV)
+        rows_t = checks.stamp(st_t, layout, step, c_t, 0)
+        kstamp.stamp(st_k, table, step, c_k, ring, block=block)
+        c_t[Counter.VIOLATIONS] += rows_t.shape[0]
+        assert torch.equal(st_t, st_k)
+        assert torch.equal(c_t, c_k)
+        got = sorted(map(tuple, ring[: int(c_k[Counter.VIOLATIONS])].tolist()))
+        assert sorted(map(tuple, rows_t.tolist())) == got
+        assert not kstamp.writer_counts(st_k).any()
+    return got
+
+
+@pytest.mark.parametrize("block", [256, 2])  # one block (counted behind a barrier), and across blocks
+@pytest.mark.parametrize("same_tokens", [False, True])
+def test_triton_duplicate_writes_match_torch(block, same_tokens):
+    step, _ = dup_step(rows=((0, 3), (1, 4), (0, 2)), same_tokens=same_tokens)
+    got = _stamp_both(step, paged_layout(NS // BS, BS, device=DEV), block, rounds=2)
+    assert sum(r[F_CHECKS] & Check.WRITE_DUPLICATE != 0 for r in got) == 2
+
+
+def test_triton_three_writers_of_one_slot_match_torch():
+    step, slot = dup_step()
+    step.new_slots[1] = slot  # a third writer, in the first row
+    got = _stamp_both(step, KvLayout(), 2)
+    assert [r[F_SLOT] for r in got if r[F_CHECKS] & Check.WRITE_DUPLICATE] == [slot] * 3
+
+
+# ---- 4. layouts whose slots or sources share bytes ----------------------------------------------
+
+def _src(**kw):
+    t = kw.pop("tensor", torch.zeros(8, 4, 2, 8, dtype=torch.float16))
+    geo = dict(name="k", tensor=t, page_size=4, num_pages=8, page_stride=128, token_stride=32, rows=1,
+               row_stride=32, row_bytes=32, offset=0)
+    geo.update(kw)
+    return ByteSource(**geo)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(token_stride=0), "source 'k': token_stride: expected > 0 bytes with 4 slots per page .*got 0"),
+    (dict(page_stride=0), "source 'k': page_stride: expected > 0 bytes with 8 pages .*got 0"),
+    (dict(page_stride=-128), "source 'k': page_stride: expected >= 0 bytes, got -128"),
+    (dict(token_stride=-32), "source 'k': token_stride: expected >= 0 bytes, got -32"),
+    (dict(rows=2, row_bytes=16, row_stride=-16), "source 'k': row_stride: expected >= 0 bytes, got -16"),
+    (dict(rows=2, row_bytes=16, row_stride=0), "source 'k': row_stride: expected > 0 bytes with 2 rows .*got 0"),
+])
+def test_aliasing_or_negative_strides_are_rejected(kw, msg):
+    with pytest.raises(LayoutError, match=msg):
+        _src(**kw)
+
+
+def test_slots_of_one_source_sharing_bytes_are_rejected():
+    with pytest.raises(LayoutError, match=r"source 'k': two of its slots or rows both cover byte 16 .*token_stride 16"):
+        KvLayout((_src(token_stride=16),))
+    with pytest.raises(LayoutError, match=r"source 'k': two of its slots or rows both cover byte 112"):
+        KvLayout((_src(page_stride=112),))  # the last slot of a page runs into the next page
+
+
+def test_overlapping_sources_are_rejected_and_disjoint_ones_pass():
+    _disjoint_layouts_over_one_tensor()
+    t = torch.zeros(8, 2, 4, 2, 8, dtype=torch.float16)
+    with pytest.raises(LayoutError, match=r"sources 'k' \(offset 0\) and 'v' \(offset 0\) both cover byte 0"):
+        KvLayout.from_tensors([("k", t[:, 0]), ("v", t[:, 0])], page_size=4)
+    with pytest.raises(LayoutError, match=r"sources 'k' \(offset 0\) and 'v' \(offset 64\) both cover byte 64"):
+        KvLayout((ByteSource.from_tensor("k", t[:, 0], page_size=4),
+                  ByteSource.from_tensor("v", t.view(8, 8, 2, 8)[:, 2:6], page_size=4)))  # half into v's page
+    flat = torch.zeros(64, 32, dtype=torch.float16)
+    with pytest.raises(LayoutError, match=r"sources 'a' \(offset 0\) and 'b' \(offset 16\) both cover byte 16"):
+        KvLayout((ByteSource.from_tensor("a", flat[:, :16]), ByteSource.from_tensor("b", flat[:, 8:24])))
+
+
+def _disjoint_layouts_over_one_tensor():
+    t = torch.zeros(8, 2, 4, 2, 8, dtype=torch.float16)
+    KvLayout.from_tensors([("k", t[:, 0]), ("v", t[:, 1])], page_size=4)  # packed K|V
+    flat = torch.zeros(64, 32, dtype=torch.float16)
+    KvLayout((ByteSource.from_tensor("a", flat[:, :16]), ByteSource.from_tensor("b", flat[:, 16:])))
+    pm = torch.zeros(4, 8, 16, dtype=torch.float16).permute(1, 0, 2)  # page-minor: pages interleave
+    KvLayout((ByteSource.from_tensor("k", pm, page_size=4),))
+    # transformers' group layout: per block, each layer's K page then its V page, over one tensor
+    tpp, layers, row = 4, 3, 32
+    cache = torch.zeros(6 * tpp * 2 * layers, row // 2, dtype=torch.float16)
+    stride = 2 * layers * tpp
+    KvLayout(tuple(ByteSource(name=f"l{i}.{h}", tensor=cache, page_size=tpp, num_pages=6, page_stride=stride * row,
+                              token_stride=row, rows=1, row_stride=row, row_bytes=row,
+                              offset=(2 * i + hi) * tpp * row)
+                   for i in range(layers) for hi, h in enumerate("kv")))
+
+
+# ---- 5. config fields of the wrong type ----------------------------------------------------------
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(ring_capacity="10"), "ring_capacity: expected an integer >= 1, got str '10'"),
+    (dict(ring_capacity=2.5), "ring_capacity: expected an integer >= 1, got float 2.5"),
+    (dict(ring_capacity=True), "ring_capacity: expected an integer >= 1, got bool True"),
+    (dict(scrub_slots=None), "scrub_slots: expected an integer >= 1, got NoneType None"),
+    (dict(scrub_slots=[4]), r"scrub_slots: expected an integer >= 1, got list \[4\]"),
+    (dict(history="many"), "history: expected an integer >= 1, got str 'many'"),
+    (dict(history=False), "history: expected an integer >= 1, got bool False"),
+    (dict(content_budget_bytes=True), "content_budget_bytes: expected an integer >= 0, 'auto' or None, got bool True"),
+    (dict(content_budget_bytes=2.5), "content_budget_bytes: expected an integer >= 0, 'auto' or None, got float 2.5"),
+    (dict(content_budget_bytes="1024"), "content_budget_bytes: expected .* got str '1024'"),
+    (dict(validate=1), "validate: expected True, False or None, got int 1"),
+    (dict(validate="off"), "validate: expected True, False or None, got str 'off'"),
+])
+def test_config_field_of_the_wrong_type(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        CanaryConfig(**kw)
+
+
+def test_config_from_env_still_parses_and_replace_is_checked():
+    env = {"KVCANARY_RING_CAPACITY": "10", "KVCANARY_SCRUB_SLOTS": "7", "KVCANARY_VALIDATE": "off",
+           "KVCANARY_CONTENT_BUDGET_BYTES": "2048"}
+    cfg = CanaryConfig.from_env(environ=env)
+    assert (cfg.ring_capacity, cfg.scrub_slots, cfg.validate, cfg.content_budget_bytes) == (10, 7, False, 2048)
+    with pytest.raises(ConfigError, match="KVCANARY_RING_CAPACITY: expected an integer, got '2.5'"):
+        CanaryConfig.from_env(environ={"KVCANARY_RING_CAPACITY": "2.5"})
+    with pytest.raises(ConfigError, match="history: expected an integer >= 1, got float 2.5"):
+        dataclasses.replace(cfg, history=2.5)
+
+
+# ---- 6. step fields that are not tensors -------------------------------------------------------
+
+def test_step_fields_given_as_lists():
+    for field in ("cached_lens", "new_offsets", "new_tokens", "new_positions", "new_slots", "block_table",
+                  "row_valid", "expected_tokens", "expected_new_tokens"):
+        s = good()
+        setattr(s, field, getattr(s, field).tolist())
+        with pytest.raises(StepError, match=rf"^{field}: expected a torch.Tensor, got list$"):
+            s.validate_shapes()
+
+
+@pytest.mark.parametrize("bs", [2.0, True, "4"])
+def test_block_size_of_the_wrong_type(bs):
+    s = good()
+    s.block_size = bs
+    with pytest.raises(StepError, match=rf"block_size: expected an int, got {type(bs).__name__}"):
+        s.validate_shapes()
