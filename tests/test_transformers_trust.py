@@ -235,3 +235,18 @@ def test_protect_refuses_what_it_cannot_protect(llama):
         protect(base)
     with pytest.raises(ConfigError, match=r"config: expected a CanaryConfig \(e.g. CanaryConfig\(mode='raise'\)\), got str"):
         protect(llama, "raise")  # type: ignore[arg-type]
+
+
+def test_a_burst_logs_one_line_per_step_and_request_with_its_id(llama, caplog):
+    f = CbFault("redirect_table_entry", at=3, seed=1)
+    g = protect(llama, CanaryConfig(mode="log", content_budget_bytes=None))
+    g.hooks.append(f)
+    with caplog.at_level(logging.WARNING, "kvcanary"):
+        out, g = run(llama, prompts(24, seed=6), guard=g)
+    assert f.injected_at is not None and not errors(out)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcanary" and "violation" in r.getMessage()]
+    keys = {(v.step, v.group, v.request) for v in g.violations}
+    assert len(g.violations) > len(keys) and len(lines) == len(keys)  # slots aggregated, records kept
+    rid = f.detail["request"]
+    mine = {v.slot for v in g.violations if v.request == rid}
+    assert any(f"request {rid}: {len(mine)} slot(s) failed" in ln for ln in lines), lines

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcanary import ByteSource, Canary, CanaryConfig, ConfigError, KvLayout, LayoutError, Step, StepError, checks
+from kvcanary import errors as kvcanary_errors
 from kvcanary.violations import F_CHECKS, F_ROW, F_SLOT, NUM_COUNTERS, NUM_FIELDS, Check, Counter
 
 from factories import paged_layout, random_step, step_to
@@ -341,3 +342,49 @@ def test_block_size_of_the_wrong_type(bs):
     s.block_size = bs
     with pytest.raises(StepError, match=rf"block_size: expected an int, got {type(bs).__name__}"):
         s.validate_shapes()
+
+
+# ---- 7. the canary's own arguments -------------------------------------------------------------
+
+@pytest.mark.parametrize("num_slots", [1.5, True, "64", 0])
+def test_canary_num_slots_of_the_wrong_type_or_range(num_slots):
+    with pytest.raises(ConfigError, match=rf"num_slots: expected an integer in 1 \.\. \d+, got {num_slots!r}"):
+        Canary(num_slots)  # type: ignore[arg-type]
+
+
+def test_canary_config_and_layout_of_the_wrong_type():
+    with pytest.raises(ConfigError, match=r"config: expected a CanaryConfig, got str 'raise'"):
+        Canary(NS, config="raise")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"layout: expected a KvLayout or None, got list"):
+        Canary(NS, layout=[])  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_canary_on_cuda_without_cuda():
+    with pytest.raises(kvcanary_errors.UnsupportedError, match=r"device: cuda was asked for, but this torch build "
+                       r"sees no CUDA device"):
+        Canary(NS, device="cuda")
+
+
+def test_canary_refuses_a_pool_that_cannot_fit_before_allocating():
+    with pytest.raises(ConfigError, match=r"num_slots: 1099511627776 slots need 32768\.0 GiB of stamps \(32 bytes a "
+                       r"slot\); cpu has [\d.]+ GiB in all"):
+        Canary(1 << 40)
+
+
+@pytest.mark.parametrize("op", ["scrub", "release", "export_stamps", "forget", "import_stamps"])
+@pytest.mark.parametrize("slots,msg", [
+    (torch.tensor([3, NS]), rf"slots: expected slot ids in \[0, {NS}\), got {NS}"),
+    (torch.tensor([-1]), rf"slots: expected slot ids in \[0, {NS}\), got -1"),
+    ([1, 2], r"slots: expected a 1-d integer torch.Tensor of slot ids, got list"),
+    (torch.zeros(2, 2, dtype=torch.int64), r"slots: expected a 1-d integer tensor, got torch.int64 \(2, 2\)"),
+    (torch.tensor([1.0]), r"slots: expected a 1-d integer tensor, got torch.float32 \(1,\)"),
+])
+def test_canary_slot_arguments_out_of_range_or_of_the_wrong_kind(op, slots, msg):
+    canary = Canary(NS, config=CanaryConfig(mode="raise", validate=False))  # checked on a CPU pool even so
+    args = (slots, None) if op == "import_stamps" else (slots,)
+    with pytest.raises(kvcanary_errors.KvCanaryError, match=msg):
+        getattr(canary, op)(*args)
+    logged = Canary(NS, config=CanaryConfig(mode="log"))
+    getattr(logged, op)(*args)  # log mode: counted, not raised
+    assert logged.stats()["internal_errors"] == 1

@@ -49,12 +49,12 @@ def _guarded(recover: Callable[..., None] | None = None) -> Callable[[F], F]:
 
 def _forget_written(self: "Canary", step: Step, *_: Any) -> None:
     slots = step.new_slots.long()
-    self.forget(slots[(slots >= 0) & (slots < self.num_slots)])
+    self._forget(slots[(slots >= 0) & (slots < self.num_slots)])
 
 
 def _forget_slots(self: "Canary", slots: torch.Tensor, *_: Any) -> None:
     slots = slots.long()
-    self.forget(slots[(slots >= 0) & (slots < self.num_slots)])
+    self._forget(slots[(slots >= 0) & (slots < self.num_slots)])
 
 
 class Canary:
@@ -168,12 +168,16 @@ class Canary:
         except Exception:
             self.forget_all()
 
+    @_guarded(lambda self, *_: self.forget_all())
     def forget(self, slots: torch.Tensor) -> None:
         """Put ``slots`` (int ``[n]``, in the pool) in the unknown state: their KV was or may have been
         written while the canary was not watching. Reads of them are counted as unverifiable, never
         reported, until the engine writes them again (stamped) or frees them (:meth:`release`)."""
-        checks.set_state(self.stamps, self._slots_arg("slots", slots), checks.UNKNOWN_STAMP)
+        self._forget(self._slots_arg("slots", slots))
+
+    def _forget(self, slots: torch.Tensor) -> None:
         self.unknown_possible = True
+        checks.set_state(self.stamps, slots, checks.UNKNOWN_STAMP)
 
     def forget_all(self) -> None:
         """Put every slot in the unknown state (after a failure whose damage cannot be bounded)."""
@@ -193,7 +197,7 @@ class Canary:
             raise KvCanaryError(f"{name}: expected a 1-d integer tensor, got {slots.dtype} {tuple(slots.shape)}")
         if slots.device != self.device:
             raise KvCanaryError(f"{name}: expected slots on {self.device} (the pool's device), got {slots.device}")
-        if self.validate and slots.numel():
+        if slots.numel() and (self.validate or slots.device.type == "cpu"):  # a CUDA pool checks when validating
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 0 or hi >= self.num_slots:
                 bad = lo if lo < 0 else hi
@@ -281,7 +285,7 @@ class Canary:
         """
         slots = self._slots_arg("slots", slots)
         if stamps is None:
-            self.forget(slots)
+            self._forget(slots)
             return
         if not isinstance(stamps, torch.Tensor) or stamps.shape != (slots.shape[0], 4):
             got = tuple(stamps.shape) if isinstance(stamps, torch.Tensor) else type(stamps).__name__
