@@ -215,8 +215,13 @@ class Canary:
 
     @_guarded()
     def before_forward(self, step: Step) -> None:
-        """Verify every cached slot the step's attention will read (position, link, token, content)."""
+        """Verify every cached slot the step's attention will read (position, link, token, content),
+        except reads of slots this same step writes (``step.written_from``): those are verified by
+        :meth:`after_forward`, once the writes are stamped."""
         self._prepare(step)
+        self._verify(step.split_reads()[0])
+
+    def _verify(self, step: Step) -> None:
         if self.backend == "triton":
             from kvcanary.kernels import verify
 
@@ -241,6 +246,10 @@ class Canary:
         else:
             rows = checks.stamp(self.stamps, self.layout, step, self.ring.counters, self.step_id)
             self.ring.append(rows)
+        after = step.split_reads()[1]
+        if after is not None:  # reads of what this step wrote, now that it is stamped
+            self._verify(after)
+            self.ring.counters[Counter.SLOTS_VERIFIED_AFTER_WRITE] += checks.read_counts(after).sum()
         self.ring.counters[Counter.STEPS] += 1
 
     @_guarded()

@@ -14,6 +14,7 @@ token whose slot is negative is a padding token that is not written.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, fields
 from typing import Any
@@ -45,6 +46,10 @@ class Step:
     expected_tokens : int ``[R, max_len]`` the request's real token at each position, -1 where unknown
     expected_new_tokens, expected_new_positions : int ``[T]`` write-input assertion streams (a token of
         -1 is not known yet and not checked)
+    written_from : int ``[R]`` the first position of row ``r``'s reads whose slots this same step writes
+        (another row of the batch computes them in this forward, as when an engine hands out a
+        prefix-cache hit before its KV exists); reads of positions ``>= written_from[r]`` are
+        verified after this step's writes are stamped, the others before the forward
     """
 
     cached_lens: torch.Tensor
@@ -61,6 +66,7 @@ class Step:
     expected_tokens: torch.Tensor | None = None
     expected_new_tokens: torch.Tensor | None = None
     expected_new_positions: torch.Tensor | None = None
+    written_from: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -110,6 +116,7 @@ class Step:
             "row_valid": (r,),
             "expected_new_tokens": (t,),
             "expected_new_positions": (t,),
+            "written_from": (r,),
             "slot_table": None,
             "block_table": None,
             "expected_tokens": None,
@@ -211,6 +218,19 @@ class Step:
         if self.row_valid is None:
             return torch.ones(self.num_rows, dtype=torch.bool, device=self.cached_lens.device)
         return self.row_valid
+
+    def split_reads(self) -> tuple["Step", "Step | None"]:
+        """The reads to verify before the forward, and those to verify after its writes are
+        stamped (``None`` when the step has no ``written_from``): the same step over
+        ``[read_start, e)`` and ``[e, cached_len)`` with ``e = clamp(written_from, read_start,
+        cached_len)``. Built with device ops only (no host sync)."""
+        if self.written_from is None:
+            return self, None
+        start, cached = self.starts(), self.cached_lens.long()
+        e = torch.minimum(torch.maximum(self.written_from.long(), start), cached)
+        before = dataclasses.replace(self, cached_lens=e, written_from=None)
+        after = dataclasses.replace(self, read_starts=e, written_from=None)
+        return before, after
 
     def starts(self) -> torch.Tensor:
         if self.read_starts is None:

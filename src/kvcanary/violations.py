@@ -60,6 +60,7 @@ class Counter(enum.IntEnum):
     CONTENT_BYTES_SCRUBBED = 10
     VIOLATIONS = 11
     SLOTS_UNVERIFIABLE = 12  # read this step but in the unknown state (never seen written by this canary)
+    SLOTS_VERIFIED_AFTER_WRITE = 13  # reads of slots the same step wrote, verified once they were stamped
 
 
 NUM_COUNTERS = len(Counter)
