@@ -173,3 +173,20 @@ def test_cpu_path_never_imports_triton():
         "assert main(['demo', '--engine', 'scripted', '--requests', '4', '--json']) == 0\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_violations_log_gets_one_json_line_per_event(tmp_path):
+    from kvcanary import eventlog
+
+    path = str(tmp_path / "v.jsonl")
+    c, step, layout = primed("log", violations_log=path)
+    for pos in (2, 3):  # two slots of row 0 in one step: one event
+        c.stamps[int(step.lookup(torch.tensor([0]), torch.tensor([pos]))[0]), 1] = 77
+    c.before_forward(step)
+    found = c.poll()
+    lines = eventlog.read(path)
+    assert len(found) >= 2 and len(lines) == 1
+    ev = lines[0]
+    assert ev["site"] == "verify" and ev["row"] == 0 and "POSITION" in ev["checks"] and ev["slots"] == len(found)
+    assert [v["slot"] for v in ev["violations"]] == [v.slot for v in found] and ev["engine"] == "canary"
+    assert CanaryConfig.from_env(environ={"KVCANARY_VIOLATIONS_LOG": path}).violations_log == path

@@ -158,16 +158,22 @@ def test_a_raising_on_violation_callback_is_counted_in_log_mode(llama):
     def bad_callback(found):
         raise ValueError("a user callback bug")
 
-    f = CbFault("flip_shared_byte", at=3, seed=1)
-    g = protect(llama, CanaryConfig(mode="log", content_budget_bytes=None), on_violation=bad_callback)
+    f, out, g = faulted(llama, ps, "flip_shared_byte", "log", on_violation=bad_callback)
+    assert f.injected_at is not None and g.violations
+    assert not errors(out) and g.stats()["internal_errors"] >= 1
+
+
+def faulted(model, ps, fault, mode, **kw):
+    """A quiet run of ``ps`` under ``mode`` with ``fault`` injected at the third forward."""
+    f = CbFault(fault, at=3, seed=1)
+    g = protect(model, CanaryConfig(mode=mode, content_budget_bytes=None), **kw)
     g.hooks.append(f)
     logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
     try:
-        out, g = run(llama, ps, guard=g)
+        out, g = run(model, ps, guard=g)
     finally:
         logging.getLogger("kvcanary").setLevel(logging.WARNING)
-    assert f.injected_at is not None and g.violations
-    assert not errors(out) and g.stats()["internal_errors"] >= 1
+    return f, out, g
 
 
 # ---- raise and quarantine ---------------------------------------------------------------------
@@ -193,14 +199,7 @@ def test_raise_mode_raises_in_the_callers_thread_after_recording(llama):
 def test_quarantine_fails_only_the_readers_and_evicts_the_poisoned_block(llama):
     ps = prompts(24, seed=6)
     base, _ = run(llama, ps)
-    f = CbFault("flip_shared_byte", at=3, seed=1)
-    g = protect(llama, CanaryConfig(mode="quarantine", content_budget_bytes=None))
-    g.hooks.append(f)
-    logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
-    try:
-        out, g = run(llama, ps, guard=g)
-    finally:
-        logging.getLogger("kvcanary").setLevel(logging.WARNING)
+    f, out, g = faulted(llama, ps, "flip_shared_byte", "quarantine")
     failed = errors(out)
     assert failed and set(failed) == set(g.quarantine.failed)
     assert all("KV" in e for e in failed.values())
@@ -250,3 +249,21 @@ def test_a_burst_logs_one_line_per_step_and_request_with_its_id(llama, caplog):
     rid = f.detail["request"]
     mine = {v.slot for v in g.violations if v.request == rid}
     assert any(f"request {rid}: {len(mine)} slot(s) failed" in ln for ln in lines), lines
+
+
+def test_the_violations_log_names_the_request(llama, tmp_path):
+    from kvcanary import eventlog
+
+    path = str(tmp_path / "v.jsonl")
+    f = CbFault("flip_shared_byte", at=3, seed=1)
+    g = protect(llama, CanaryConfig(mode="log", content_budget_bytes=None, violations_log=path))
+    g.hooks.append(f)
+    logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
+    try:
+        run(llama, prompts(24, seed=6), guard=g)
+    finally:
+        logging.getLogger("kvcanary").setLevel(logging.WARNING)
+    lines = eventlog.read(path)
+    assert lines and {ln["request"] for ln in lines} == {v.request for v in g.violations}
+    assert all(ln["engine"] == "transformers" and ln["group"] == "full_attention" for ln in lines)
+    assert sum(len(ln["violations"]) for ln in lines) == len(g.violations)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
-from kvcanary import checks
+from kvcanary import checks, eventlog
 from kvcanary.config import CanaryConfig
 from kvcanary.errors import ConfigError, KvCanaryError, KvCorruptionError, UnsupportedError
 from kvcanary.layout import KvLayout
@@ -335,7 +335,7 @@ class Canary:
         lost_before = self.ring.lost
         found = self.drain()
         lost = self.ring.lost - lost_before
-        errors = report(found, lost, self.config.mode, self.callbacks)
+        errors = report(found, lost, self.config.mode, self.callbacks, self.config.violations_log, engine="canary")
         self.internal_errors += errors
         return found
 
@@ -348,25 +348,30 @@ class Canary:
 
 
 def report(found: list[Violation], lost: int, mode: str,
-           callbacks: Iterable[Callable[[list[Violation]], None]] = ()) -> int:
-    """Report drained violations: callbacks first, then one log line per event, or in ``raise``
-    mode :class:`KvCorruptionError`. Returns how many callbacks failed (counted as internal errors
-    by the caller; in ``raise`` mode a failing callback raises)."""
+           callbacks: Iterable[Callable[[list[Violation]], None]] = (), log_path: str | None = None,
+           **context: Any) -> int:
+    """Report drained violations: appended to the JSONL violation log (``log_path``, one line per
+    event, with ``context`` such as the engine and rank), then the callbacks, then one log line
+    per event, or in ``raise`` mode :class:`KvCorruptionError`. Returns how many of those sinks
+    failed (counted as internal errors by the caller; in ``raise`` mode a failing sink raises)."""
     if not found and not lost:
         return 0
+    evs = events(found)
     errors = 0
-    for cb in callbacks:
+    sinks: list[Callable[[], object]] = [lambda: eventlog.append(log_path, evs, **context)] if log_path else []
+    sinks += [functools.partial(cb, found) for cb in callbacks]
+    for sink in sinks:
         if mode == "raise":
-            cb(found)
+            sink()
             continue
         try:
-            cb(found)
+            sink()
         except Exception:
             errors += 1
-            log.exception("kvcanary: an on_violation callback raised (counted, not raised)")
+            log.exception("kvcanary: a violation sink (log file or on_violation callback) failed (counted, not raised)")
     if mode == "raise":
         raise KvCorruptionError(found, lost)
-    for ev in events(found):
+    for ev in evs:
         log.warning("kvcanary violation %s", ev.describe())
     if lost:
         log.warning("kvcanary: %d violations overflowed the ring before they were drained", lost)

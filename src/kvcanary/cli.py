@@ -65,6 +65,7 @@ def _scripted_run(args: argparse.Namespace) -> int:
         "slots_verified": st["slots_verified"],
         "content_bytes_stamped": st["content_bytes_stamped"],
         "content_bytes_verified": st["content_bytes_verified"],
+        "slots_unverifiable": st["slots_unverifiable"],  # read but never seen written (counted, not checked)
         "violations": st["violations"],
         "internal_errors": st["internal_errors"],
         "wall_s": round(wall, 3),
@@ -170,6 +171,7 @@ def _transformers_run(args: argparse.Namespace) -> int:
         "slots_verified": st["slots_verified"],
         "slots_stamped": st["slots_stamped"],
         "content_bytes_checked": st["content_bytes_verified"] + st["content_bytes_stamped"],
+        "slots_unverifiable": st["slots_unverifiable"],  # read but never seen written (counted, not checked)
         "violations": st["violations"],
         "internal_errors": st["internal_errors"],
         "outputs_identical": same,

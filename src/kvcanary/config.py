@@ -40,6 +40,8 @@ class CanaryConfig:
         ``TRITON_INTERPRET=1``)
     scrub_slots : slots the patrol scrub re-fingerprints per ``scrub()`` call
     history : decoded violations kept on the canary for inspection
+    violations_log : a file that every drained violation event is appended to as one JSON line
+        (:mod:`kvcanary.eventlog`; the same format for every engine and process), or ``None``
     """
 
     mode: Mode = "log"
@@ -50,6 +52,7 @@ class CanaryConfig:
     backend: Backend = "auto"
     scrub_slots: int = 4096
     history: int = 10_000
+    violations_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +70,8 @@ class CanaryConfig:
                 raise ConfigError(f"{name}: expected an integer >= 1, got {_shown(v)}")
             if v < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {v}")
+        if self.violations_log is not None and not (isinstance(self.violations_log, str) and self.violations_log):
+            raise ConfigError(f"violations_log: expected a file path or None, got {_shown(self.violations_log)}")
         if self.validate is not None and not isinstance(self.validate, bool):
             raise ConfigError(f"validate: expected True, False or None, got {_shown(self.validate)}")
 
@@ -134,6 +139,7 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_VALIDATE": ("validate", _bool),
     "KVCANARY_SCRUB_SLOTS": ("scrub_slots", _int),
     "KVCANARY_BACKEND": ("backend", str),
+    "KVCANARY_VIOLATIONS_LOG": ("violations_log", str),
 }
 
 assert {f for f, _ in ENV.values()} <= {f.name for f in fields(CanaryConfig)}

@@ -150,7 +150,8 @@ class Protection:
         self.violations += found
         mode = "log" if self.config.mode == "quarantine" else self.config.mode
         try:
-            self.internal_errors += report(found, 0, mode, [self.on_violation] if self.on_violation else [])
+            self.internal_errors += report(found, 0, mode, [self.on_violation] if self.on_violation else [],
+                                           self.config.violations_log, engine="transformers")
         except KvCorruptionError as e:
             self.pending = e
             raise
