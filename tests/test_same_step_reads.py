@@ -69,3 +69,19 @@ def test_torch_and_triton_agree_on_split_reads():
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
     assert out[0][2:] == out[1][2:]
     assert int(out[0][1][Counter.SLOTS_VERIFIED_AFTER_WRITE]) == 8 + 5 + 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_chain_that_continues_from_a_slot_written_in_the_same_step_links_up(backend):
+    # row 1's new token at position 8 follows position 7, which row 0 writes in the same forward:
+    # its link must come from the new stamp, or the next read of it is a false LINK
+    c = Canary(NB * BS, paged_layout(NB, BS), CanaryConfig(mode="raise", content_budget_bytes=None, backend=backend))
+    step = batch(torch.tensor([0, 0]))
+    c.before_forward(step)
+    c.after_forward(step)
+    et = torch.tensor([PREFIX + [19, 20]])
+    nxt = Step(cached_lens=torch.tensor([9]), new_offsets=torch.tensor([0, 1]), new_tokens=torch.tensor([20]),
+               new_positions=torch.tensor([9]), new_slots=torch.tensor([9]), block_table=torch.tensor([[0, 1, 2]]),
+               block_size=BS, expected_tokens=et)
+    c.before_forward(nxt)
+    assert c.poll() == [] and c.stats()["links_checked"] == 8 + 9

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -234,23 +235,51 @@ class Canary:
 
     @_guarded(_forget_written)
     def after_forward(self, step: Step) -> None:
-        """Stamp every slot the step wrote, fingerprinting its KV bytes, and check the writes."""
+        """Stamp every slot the step wrote, fingerprinting its KV bytes, and check the writes; then
+        verify the reads of slots this step wrote (``step.written_from``)."""
         self._prepare(step)
+        self._stamp(step, self.ring.counters, self.ring.rows)
+        after = step.split_reads()[1]
+        if after is not None:
+            self._restamp_followers(step)
+            self._verify(after)
+            self.ring.counters[Counter.SLOTS_VERIFIED_AFTER_WRITE] += checks.read_counts(after).sum()
+        self.ring.counters[Counter.STEPS] += 1
+
+    def _stamp(self, step: Step, counters: torch.Tensor, ring: torch.Tensor) -> None:
         if self.backend == "triton":
             from kvcanary.kernels import stamp
 
             # while unknown slots may exist, a torch prologue works out the seeds of rows that
             # follow one (it reads the step on the host); otherwise the kernel seeds every row itself
             seeds = checks.canonical_seeds(self.stamps, step) if self.unknown_possible else None
-            stamp.stamp(self.stamps, self._src_table, step, self.ring.counters, self.ring.rows, seeds=seeds)
+            stamp.stamp(self.stamps, self._src_table, step, counters, ring, seeds=seeds)
         else:
-            rows = checks.stamp(self.stamps, self.layout, step, self.ring.counters, self.step_id)
-            self.ring.append(rows)
-        after = step.split_reads()[1]
-        if after is not None:  # reads of what this step wrote, now that it is stamped
-            self._verify(after)
-            self.ring.counters[Counter.SLOTS_VERIFIED_AFTER_WRITE] += checks.read_counts(after).sum()
-        self.ring.counters[Counter.STEPS] += 1
+            rows = checks.stamp(self.stamps, self.layout, step, counters, self.step_id)
+            if ring is self.ring.rows:
+                self.ring.append(rows)
+
+    def _restamp_followers(self, step: Step) -> None:
+        """Rows whose chain continues from a slot another row wrote in this step seeded from that
+        slot's old stamp: stamp them again from the new one, until their stamps settle (a follower
+        of a follower needs one pass more). Reads the step on the host, only for steps with
+        ``written_from``; the passes count nothing and report nothing twice."""
+        cached = step.cached_lens.long()
+        new = step.new_slots.long()
+        pred = step.lookup(torch.arange(step.num_rows, device=cached.device), cached - 1)
+        follows = (cached > 0) & torch.isin(pred, new) & step.valid_rows()
+        if not bool(follows.any()):
+            return
+        sub = dataclasses.replace(step, row_valid=follows, written_from=None)
+        row = checks.rows_of(step.new_offsets[1:].long() - step.new_offsets[:-1].long())[0]
+        theirs = new[follows[row] & (new >= 0) & (new < self.num_slots)]
+        scratch = torch.zeros_like(self.ring.counters)
+        ring = torch.zeros(1, self.ring.rows.shape[1], dtype=torch.int64, device=self.device)
+        for _ in range(step.num_rows):
+            was = self.stamps[theirs]
+            self._stamp(sub, scratch, ring)
+            if torch.equal(self.stamps[theirs], was):
+                break
 
     @_guarded()
     def scrub(self, slots: torch.Tensor | None = None) -> None:
