@@ -21,34 +21,55 @@ class TokenBook:
         self.calls = 0
 
     def streams(self, states: list[Any], upto: list[int], width: int) -> torch.Tensor:
-        """int64 ``[len(states), width]``: request ``i``'s tokens ``[0, upto[i])``, then -1."""
+        """int64 ``[len(states), width]``: request ``i``'s tokens ``[0, upto[i])``, then -1 (from
+        transformers request states: ``request_id``, ``initial_tokens``, ``generated_tokens``)."""
         rows: list[int] = []
         vals: list[int] = []
         rr: list[int] = []
         pp: list[int] = []
         for st, u in zip(states, upto):
-            rid = st.request_id
-            r = self.row.get(rid)
-            if r is None:
-                r = self.row[rid] = self._free_row()
-                self.have[rid] = 0
-            h = self.have[rid]
+            r = self._row(st.request_id)
+            h = self.have[st.request_id]
             if h < u:
                 init, gen = st.initial_tokens, st.generated_tokens
                 new = init[h:u] + gen[max(0, h - len(init)) : max(0, u - len(init))]
                 vals += new
                 rr += [r] * len(new)
                 pp += range(h, h + len(new))
-                self.have[rid] = h + len(new)
+                self.have[st.request_id] = h + len(new)
             rows.append(r)
-        need = max(upto + [width])
+        self._write(rr, pp, vals, max(upto + [width]))
+        return self._window(rows, upto, width)
+
+    def extend(self, rid: str, start: int, tokens: list[int]) -> None:
+        """Request ``rid``'s tokens from position ``start`` on (a stream's known tokens only grow)."""
+        r = self._row(rid)
+        self._write([r] * len(tokens), list(range(start, start + len(tokens))), tokens, start + len(tokens))
+        self.have[rid] = max(self.have[rid], start + len(tokens))
+
+    def window(self, rids: list[str], upto: list[int], width: int) -> torch.Tensor:
+        """int64 ``[len(rids), width]``: request ``i``'s known tokens ``[0, upto[i])``, then -1."""
+        return self._window([self._row(rid) for rid in rids], upto, width)
+
+    def _row(self, rid: str) -> int:
+        r = self.row.get(rid)
+        if r is None:
+            r = self.row[rid] = self._free_row()
+            self.have[rid] = 0
+        return r
+
+    def _write(self, rr: list[int], pp: list[int], vals: list[int], need: int) -> None:
         if need > self.buf.shape[1]:
             grown = torch.full((self.buf.shape[0], 2 * need), -1, dtype=torch.int64)
             grown[:, : self.buf.shape[1]] = self.buf
             self.buf = grown
         if vals:
             self.buf[torch.tensor(rr), torch.tensor(pp)] = torch.tensor(vals, dtype=torch.int64)
-        out = self.buf[torch.tensor(rows), :width]
+
+    def _window(self, rows: list[int], upto: list[int], width: int) -> torch.Tensor:
+        if width > self.buf.shape[1]:
+            self._write([], [], [], width)
+        out = self.buf[torch.tensor(rows, dtype=torch.int64), :width]
         return torch.where(torch.arange(width) < torch.tensor(upto)[:, None], out, -1)
 
     def _free_row(self) -> int:
@@ -59,6 +80,11 @@ class TokenBook:
             self.buf = torch.cat([self.buf, torch.full_like(self.buf, -1)])
         self.buf[r] = -1
         return r
+
+    def forget(self, rid: str) -> None:
+        """Drop one request's stream (it finished)."""
+        self.row.pop(rid, None)
+        self.have.pop(rid, None)
 
     def forget_except(self, live: set[str]) -> None:
         """Drop the streams of requests that are no longer live."""

@@ -1,0 +1,304 @@
+"""Protect a vLLM V1 engine with one flag: a KV connector that stamps and verifies every worker's cache.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector":"KvCanaryConnector","kv_role":"kv_both"}'
+    LLM(model=..., kv_transfer_config={"kv_connector": "KvCanaryConnector", "kv_role": "kv_both"})
+
+The name resolves through kvcanary's ``vllm.general_plugins`` entry point
+(:func:`kvcanary.engines.vllm_plugin.register`), loaded in every vLLM process. Configuration comes
+from the ``KVCANARY_*`` variables (default mode ``log``); ``KVCANARY_VIOLATIONS_LOG`` collects every
+worker's events in one JSONL file. With another connector, list both under vLLM's
+``MultiConnector``; the canary verifies what the other one lands.
+
+Scheduler side (engine core): ships, per step, each scheduled request's new token ids, its
+computed-token count and the slot of its first new token, and the blocks vLLM zeroes. Worker side
+(one canary per worker and tensor-parallel rank): at ``bind_connector_metadata``, inside the forward
+context, it builds the step from the CPU attention metadata (block table, sequence lengths, query
+start offsets, slot mapping) and verifies every cached slot each request reads; reads of slots that
+another request of the batch computes in this same forward (a prefix-cache hit handed out before its
+KV exists) are left to ``wait_for_save``, which stamps the written slots and then verifies those.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcanary.canary import Canary, report
+from kvcanary.config import CanaryConfig
+from kvcanary.engines.token_book import TokenBook
+from kvcanary.errors import KvCorruptionError, UnsupportedError
+from kvcanary.step import Step
+from kvcanary.violations import Violation
+
+log = logging.getLogger("kvcanary")
+NAME = "KvCanaryConnector"
+
+
+@dataclass
+class ReqStep:
+    """One scheduled request in one step, as the scheduler sees it."""
+
+    req_id: str
+    computed: int  # tokens already in the cache (read this step)
+    scheduled: int  # tokens written this step
+    first_slot: int  # the slot of its first new token (matches the worker's row)
+    start: int  # position of the first token in ``tokens``
+    tokens: list[int]  # token ids from ``start`` on that the worker has not been sent yet
+
+
+@dataclass
+class CanaryMeta(KVConnectorMetadata):
+    """What the scheduler side sends the workers each step."""
+
+    reqs: list[ReqStep] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    zeroed: list[int] = field(default_factory=list)  # blocks vLLM zeroes before this forward
+
+
+class KvCanaryConnector(KVConnectorBase_V1):
+    """vLLM V1 KV connector that runs kvcanary on every worker. Loads and saves nothing."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = CanaryConfig.from_env(CanaryConfig(mode="log"))
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.rank = _rank()
+        # scheduler side
+        self._reqs: dict[str, Any] = {}  # request id -> vLLM Request
+        self._sent: dict[str, int] = {}  # request id -> tokens already sent to the workers
+        self._finished: list[str] = []
+        # worker side
+        self.canary: Canary | None = None
+        self.book = TokenBook()
+        self.violations: list[Violation] = []
+        self.internal_errors = 0
+        self.forwards = 0
+        self.seconds = 0.0
+        self._step: Step | None = None
+        self._rows: list[str] = []
+        self.kv_caches: dict[str, torch.Tensor] = {}
+
+    # ---- scheduler side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._reqs[request.request_id] = request
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._reqs[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        so = scheduler_output
+        meta = CanaryMeta(finished=self._finished, zeroed=list(so.new_block_ids_to_zero or []))
+        self._finished = []
+        for r in so.scheduled_new_reqs:
+            self._add(meta, r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id], r.block_ids[0])
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            blocks = self._kv_cache_manager.get_block_ids(rid)[0] if self._kv_cache_manager is not None else []
+            self._add(meta, rid, cached.num_computed_tokens[i], so.num_scheduled_tokens[rid], blocks)
+        return meta
+
+    def _add(self, meta: CanaryMeta, rid: str, computed: int, scheduled: int, blocks: list[int]) -> None:
+        req = self._reqs.get(rid)
+        if req is None or not blocks:
+            return
+        have = self._sent.get(rid, 0)
+        known = req.all_token_ids
+        upto = min(len(known), computed + scheduled)  # a token not yet sampled is not sent, never guessed
+        tokens = list(known[have:upto]) if upto > have else []
+        self._sent[rid] = max(have, upto)
+        first = blocks[computed // self.block_size] * self.block_size + computed % self.block_size
+        meta.reqs.append(ReqStep(rid, computed, scheduled, first, have, tokens))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._reqs.pop(rid, None)
+        self._sent.pop(rid, None)
+        self._finished.append(rid)
+        return False, None
+
+    # ---- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._shielded("register_kv_caches", self._register, kv_caches)
+
+    def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = list(kv_caches.values())
+        t = tensors[0]
+        if t.dim() != 4 or t.device.type != "cpu":
+            raise UnsupportedError(f"vLLM KV cache: expected the CPU backend's [num_blocks, kv_heads, block_size, "
+                                   f"2 * head_dim] tensors, got shape {tuple(t.shape)} on {t.device}")
+        num_blocks, heads, bs, two_d = t.shape
+        self.kv_caches = kv_caches
+        layout = cpu_layout(tensors, list(kv_caches), bs, heads, two_d // 2)
+        self.canary = Canary(num_blocks * bs, layout, self.config)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._step = None
+        if self.canary is not None and isinstance(connector_metadata, CanaryMeta):
+            self._shielded("the before-forward check", self._before, connector_metadata)
+
+    def _before(self, meta: CanaryMeta) -> None:
+        from vllm.forward_context import get_forward_context
+
+        assert self.canary is not None
+        for rid in meta.finished:
+            self.book.forget(rid)
+        for r in meta.reqs:
+            if r.tokens:
+                self.book.extend(r.req_id, r.start, r.tokens)
+        if meta.zeroed:  # zeroed bytes: their stamps go too (a read before a write is EMPTY)
+            self.canary.release(_block_slots(meta.zeroed, self.block_size))
+        md = get_forward_context().attn_metadata
+        if not md:
+            return
+        md = next(iter(md.values())) if isinstance(md, dict) else md
+        step, rows = build_step(md, meta.reqs, self.book, self.block_size)
+        self._step, self._rows = step, rows
+        self.canary.before_forward(step)
+
+    def wait_for_save(self) -> None:
+        if self._step is not None:
+            self._shielded("the after-forward check", self._after)
+
+    def _after(self) -> None:
+        assert self.canary is not None and self._step is not None
+        self.canary.after_forward(self._step)
+        self.forwards += 1
+        found = [_named(v, self._rows) for v in self.canary.drain()]
+        if found:
+            self.violations += found
+            mode = "log" if self.config.mode == "quarantine" else self.config.mode
+            self.internal_errors += report(found, 0, mode, (), self.config.violations_log, engine="vllm",
+                                           rank=self.rank)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def stats(self) -> dict[str, int]:
+        out = self.canary.stats() if self.canary is not None else {}
+        out["forwards"] = self.forwards
+        out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
+        out["canary_us"] = int(self.seconds * 1e6)
+        return out
+
+    def _shielded(self, where: str, fn: Any, *args: Any) -> None:
+        """The canary's work; a failure of its own never reaches vLLM outside ``raise`` mode: counted,
+        and every stamp it may have left stale becomes unknown. (vLLM's CPU worker binds its own
+        threads, so the canary runs on them as they are.)"""
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+        except KvCorruptionError:
+            raise
+        except Exception as e:
+            if self.config.mode == "raise":
+                raise
+            self.internal_errors += 1
+            log.error("kvcanary internal error in %s (counted, not raised)", where,
+                      exc_info=e if self.internal_errors <= 3 else None)
+            self._step = None
+            if self.canary is not None:
+                self.canary.forget_all()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def cpu_layout(tensors: list[torch.Tensor], names: list[str], block_size: int, heads: int, head_dim: int) -> Any:
+    """Every layer's K and V bytes on vLLM's CPU backend (``vec``: per block and head, K column-major
+    ``[head_dim, block_size]``, then V row-major ``[block_size, head_dim]``)."""
+    from kvcanary.layout import ByteSource, KvLayout
+
+    sources = []
+    for name, t in zip(names, tensors):
+        es = t.element_size()
+        region = block_size * head_dim * es  # one head's K (or V) of one block
+        base = int(t.storage_offset()) * es
+        sources.append(ByteSource(name=f"{name}.v", tensor=t, page_size=block_size, num_pages=t.shape[0],
+                                  page_stride=t.stride(0) * es, token_stride=head_dim * es, rows=heads,
+                                  row_stride=2 * region, row_bytes=head_dim * es, offset=base + region))
+    return KvLayout(tuple(sources))
+
+
+def build_step(md: Any, reqs: list[ReqStep], book: TokenBook, block_size: int) -> tuple[Step, list[str]]:
+    """The step of one forward from vLLM's CPU attention metadata and the scheduler's requests.
+
+    Rows follow the metadata (the runner's batch order); each is matched to its request by the
+    slot of its first new token. Reads of slots the step itself writes start ``written_from``.
+    """
+    qsl = md.query_start_loc.long()
+    r = qsl.shape[0] - 1
+    q = qsl[1:] - qsl[:-1]
+    cached = md.seq_lens[:r].long() - q
+    n = int(md.num_actual_tokens)
+    slots = md.slot_mapping[:n].long()
+    by_slot = {x.first_slot: x for x in reqs}
+    firsts = slots[qsl[:-1].clamp(max=max(n - 1, 0))].tolist()
+    rows = [by_slot.get(s) for s in firsts]
+    rids = [x.req_id if x is not None else "" for x in rows]
+    valid = torch.tensor([x is not None and x.computed == c for x, c in zip(rows, cached.tolist())])
+    upto = (cached + q).tolist()
+    width = max(upto + [1])
+    exp = book.window([rid or "__none__" for rid in rids], [u if ok else 0 for u, ok in zip(upto, valid.tolist())],
+                      width)
+    row_of = torch.repeat_interleave(torch.arange(r), q, output_size=n)
+    pos = cached[row_of] + (torch.arange(n) - qsl[:-1][row_of])
+    table = md.block_table[:r]
+    step = Step(
+        cached_lens=cached, new_offsets=qsl, new_tokens=exp[row_of, pos.clamp(max=width - 1)],
+        new_positions=pos, new_slots=torch.where(valid[row_of], slots, -1), block_table=table,
+        block_size=block_size, row_valid=valid, expected_tokens=exp,
+    )
+    step.written_from = written_from(step)
+    return step, rids
+
+
+def written_from(step: Step) -> torch.Tensor:
+    """Per row, the first cached position whose slot this step writes (``cached_len`` if none)."""
+    cached = step.cached_lens.long()
+    width = max(1, int(cached.max()) if cached.numel() else 1)
+    pos = torch.arange(width)
+    rows = torch.arange(step.num_rows)
+    read = step.lookup(rows.repeat_interleave(width), pos.repeat(step.num_rows)).view(step.num_rows, width)
+    hit = torch.isin(read, step.new_slots[step.new_slots >= 0]) & (pos[None, :] < cached[:, None])
+    first = torch.where(hit, pos[None, :], width).min(dim=1).values
+    return torch.minimum(first, cached)
+
+
+def _block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
+    b = torch.tensor(blocks, dtype=torch.int64)
+    return (b[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+
+
+def _named(v: Violation, rids: list[str]) -> Violation:
+    import dataclasses
+
+    rid = rids[v.row] if 0 <= v.row < len(rids) and rids[v.row] else None
+    return dataclasses.replace(v, request=rid)
+
+
+def _rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (scheduler side)
+        return int(os.environ.get("RANK", 0))

@@ -1,0 +1,153 @@
+"""Faults injected into a running vLLM CPU engine's worker, just before the canary's check of a
+forward (each fires once, at the ``at``-th forward or the first later one where its target exists).
+
+- ``flip_k`` / ``flip_v``: one bit of one K (or V) element of a prefix block several requests read
+  (a bit flip, a stray write into live KV);
+- ``redirect``: one block-table entry of a request points at another request's block (a table
+  entry off by a block, a wrong block id handed out);
+- ``reuse``: a block several requests still read is handed to another request, which writes its
+  own KV into it (a block freed while still referenced and reused);
+- ``zero``: a live block's bytes are zeroed (zeroing a block that is still in use).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+@dataclass
+class VllmFault:
+    name: str
+    at: int = 3
+    seed: int = 0
+    forwards: int = 0
+    injected_at: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def install(name: str, at: int = 3, seed: int = 0) -> VllmFault:
+    """Wrap the connector's ``bind_connector_metadata`` so that ``name`` is injected once."""
+    from vllm.forward_context import get_forward_context
+
+    from kvcanary.engines.vllm import KvCanaryConnector
+
+    fault = VllmFault(name, at, seed)
+    orig = KvCanaryConnector.bind_connector_metadata
+
+    def bind(self: Any, meta: Any) -> None:
+        md = get_forward_context().attn_metadata
+        md = next(iter(md.values())) if isinstance(md, dict) else md
+        if md is not None and fault.injected_at is None and fault.forwards >= fault.at and self.kv_caches:
+            if INJECTORS[name](self, md, meta, random.Random(seed), fault.detail):
+                fault.injected_at = fault.forwards
+                fault.detail["step"] = self.canary.step_id if self.canary is not None else None
+        fault.forwards += 1
+        orig(self, meta)
+
+    KvCanaryConnector.bind_connector_metadata = bind  # type: ignore[method-assign,assignment]
+    return fault
+
+
+def _rows(md: Any, meta: Any, bs: int) -> list[tuple[str | None, int, list[int]]]:
+    """(request id, cached tokens, blocks holding them) for each row of the forward."""
+    qsl, seq = md.query_start_loc.tolist(), md.seq_lens.tolist()
+    slots = md.slot_mapping.tolist()
+    by_slot = {r.first_slot: r.req_id for r in meta.reqs}
+    out = []
+    for r in range(len(qsl) - 1):
+        cached = seq[r] - (qsl[r + 1] - qsl[r])
+        out.append((by_slot.get(slots[qsl[r]]), cached, md.block_table[r, : cached // bs].tolist()))
+    return out
+
+
+def _shared(md: Any, meta: Any, rng: random.Random, bs: int) -> tuple[int, list[str]] | None:
+    """A fully cached block at least two rows read, and the requests that read it."""
+    seen: dict[int, list[str]] = {}
+    for rid, _, blocks in _rows(md, meta, bs):
+        for b in set(blocks):
+            seen.setdefault(b, []).append(rid or "?")
+    shared = sorted(b for b, rs in seen.items() if len(rs) >= 2 and b != 0)
+    if not shared:
+        return None
+    b = rng.choice(shared)
+    return b, seen[b]
+
+
+def _element(conn: Any, layer: str, block: int, head: int, t: int, d: int, half: str) -> tuple[torch.Tensor, int]:
+    """The byte view of one layer and the byte offset of one K or V element (``vec`` layout)."""
+    kv = conn.kv_caches[layer]
+    _, heads, bs, two_d = kv.shape
+    dim = two_d // 2
+    e = kv.element_size()
+    base = (block * heads * 2 * bs * dim + head * 2 * bs * dim) * e
+    off = base + ((d * bs + t) if half == "k" else (bs * dim + t * dim + d)) * e
+    flat = torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage(), kv.storage_offset() * e, (kv.numel() * e,), (1,))
+    return flat, off
+
+
+def _flip(half: str) -> Any:
+    def inject(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+        picked = _shared(md, meta, rng, conn.block_size)
+        if picked is None:
+            return False
+        block, readers = picked
+        layer = rng.choice(list(conn.kv_caches))
+        kv = conn.kv_caches[layer]
+        head, t, d = rng.randrange(kv.shape[1]), rng.randrange(kv.shape[2]), rng.randrange(kv.shape[3] // 2)
+        flat, off = _element(conn, layer, block, head, t, d, half)
+        byte = off + rng.randrange(kv.element_size())
+        flat[byte] ^= 1 << rng.randrange(8)
+        detail.update(block=block, slot=block * kv.shape[2] + t, layer=layer, half=half, readers=readers)
+        return True
+
+    return inject
+
+
+def redirect(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    rows = _rows(md, meta, conn.block_size)
+    for r, (rid, cached, blocks) in enumerate(rows):
+        others = sorted({b for j, (_, _, bl) in enumerate(rows) if j != r for b in bl} - set(blocks) - {0})
+        if not blocks or not others or rid is None:
+            continue
+        i = rng.randrange(len(blocks))
+        md.block_table[r, i] = rng.choice(others)
+        detail.update(request=rid, block_index=i, was=blocks[i], now=int(md.block_table[r, i]))
+        return True
+    return False
+
+
+def reuse(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    bs = conn.block_size
+    picked = _shared(md, meta, rng, conn.block_size)
+    if picked is None:
+        return False
+    block, readers = picked
+    qsl, seq = md.query_start_loc.tolist(), md.seq_lens.tolist()
+    for r in range(len(qsl) - 1):
+        n = qsl[r + 1] - qsl[r]
+        cached = seq[r] - n
+        if cached % bs or int(md.block_table[r, cached // bs]) == block:  # a writer that starts a fresh block
+            continue
+        i, k = cached // bs, min(n, bs)
+        md.block_table[r, i] = block  # the allocator hands it the still-shared block
+        md.slot_mapping[qsl[r] : qsl[r] + k] = block * bs + torch.arange(k)
+        detail.update(block=block, readers=readers, writer_row=r)
+        return True
+    return False
+
+
+def zero(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    picked = _shared(md, meta, rng, conn.block_size)
+    if picked is None:
+        return False
+    block, readers = picked
+    for kv in conn.kv_caches.values():
+        kv[block].zero_()
+    detail.update(block=block, readers=readers)
+    return True
+
+
+INJECTORS = {"flip_k": _flip("k"), "flip_v": _flip("v"), "redirect": redirect, "reuse": reuse, "zero": zero}

@@ -1,0 +1,73 @@
+"""vLLM's CPU build under the canary, turned on by the connector flag alone.
+
+Each engine run is its own process (tests_vllm/engine_run.py): clean runs verify clean with the
+same tokens as without the canary, and every injected fault is reported with the right check and
+the request it hurt.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+
+
+def engine(model, **cfg):
+    cfg = {"model": model, **cfg}
+    p = subprocess.run([sys.executable, os.path.join(HERE, "engine_run.py"), json.dumps(cfg)], capture_output=True,
+                       text=True, timeout=600, cwd=HERE)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert p.returncode == 0 and line, p.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+CLEAN = [
+    dict(),  # shared prefixes, one batch
+    dict(max_batched=48, max_seqs=4),  # chunked prefill, requests admitted over time (prefix hits on cached blocks)
+    dict(num_blocks=10, max_model_len=256, max_seqs=8, max_tokens=48),  # a small pool: preemption, eviction
+]
+
+
+@pytest.mark.parametrize("cfg", CLEAN, ids=["shared", "chunked", "preempting"])
+def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, cfg):
+    base = engine(tiny_llama, **cfg)
+    run = engine(tiny_llama, canary=True, **cfg)
+    st = run["stats"]
+    assert run["violations"] == [] and st["internal_errors"] == 0
+    assert st["slots_verified"] > 0 and st["content_bytes_verified"] > 0 and st["slots_stamped"] > 0
+    assert sorted(run["tokens"].values()) == sorted(base["tokens"].values())
+    if "num_blocks" in cfg:
+        assert run["preemptions"] > 0  # the small pool did force preemption
+
+
+def test_a_prefix_hit_computed_in_the_same_forward_is_verified_after_it(tiny_llama):
+    st = engine(tiny_llama, canary=True)["stats"]
+    assert st["slots_verified_after_write"] > 0 and st["violations"] == 0
+
+
+FAULTS = [
+    ("flip_k", {"CONTENT"}),
+    ("flip_v", {"CONTENT"}),
+    ("redirect", {"POSITION", "LINK", "TOKEN"}),
+    ("reuse", {"POSITION", "LINK", "TOKEN", "CONTENT"}),
+    ("zero", {"CONTENT"}),
+]
+
+
+@pytest.mark.parametrize("fault,checks", FAULTS, ids=[f for f, _ in FAULTS])
+def test_injected_faults_are_detected_with_the_request_they_hurt(tiny_llama, fault, checks):
+    run = engine(tiny_llama, canary=True, fault=fault, max_seqs=4)
+    detail = run.get("fault")
+    assert detail, f"{fault} found no target: the test exercises nothing"
+    hits = [v for v in run["violations"] if v["step"] >= detail["step"] and set(v["checks"]) & checks]
+    assert hits, run["violations"][:3]
+    hurt = {v["request"] for v in hits}
+    if "readers" in detail:
+        assert hurt & set(detail["readers"]), (hurt, detail)
+    else:
+        assert detail["request"] in hurt
+    if "slot" in detail:
+        assert detail["slot"] in {v["slot"] for v in hits}
