@@ -15,10 +15,10 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
-def engine(model, **cfg):
+def engine(model, env=None, **cfg):
     cfg = {"model": model, **cfg}
     p = subprocess.run([sys.executable, os.path.join(HERE, "engine_run.py"), json.dumps(cfg)], capture_output=True,
-                       text=True, timeout=600, cwd=HERE)
+                       text=True, timeout=600, cwd=HERE, env={**os.environ, **(env or {})})
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert p.returncode == 0 and line, p.stderr[-4000:]
     return json.loads(line[len("RESULT "):])
@@ -71,3 +71,19 @@ def test_injected_faults_are_detected_with_the_request_they_hurt(tiny_llama, fau
         assert detail["request"] in hurt
     if "slot" in detail:
         assert detail["slot"] in {v["slot"] for v in hits}
+
+
+def test_multiprocess_engine_through_the_flag_alone_logs_to_the_jsonl_file(tiny_llama, tmp_path):
+    from kvcanary import eventlog
+
+    base = engine(tiny_llama, max_seqs=4)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "KVCANARY_VIOLATIONS_LOG": str(tmp_path / "clean.jsonl")}
+    clean = engine(tiny_llama, canary=True, max_seqs=4, env=env)
+    assert not os.path.exists(tmp_path / "clean.jsonl")  # no event: nothing was written
+    assert sorted(clean["tokens"].values()) == sorted(base["tokens"].values())
+    env = {**env, "KVCANARY_VIOLATIONS_LOG": str(tmp_path / "fault.jsonl"), "KVCANARY_TEST_FAULT": "flip_v",
+           "PYTHONPATH": os.path.join(HERE, "fault_plugin")}
+    engine(tiny_llama, canary=True, max_seqs=4, env=env)
+    events = eventlog.read(str(tmp_path / "fault.jsonl"))
+    assert events and all(e["engine"] == "vllm" and e["request"] for e in events)
+    assert {"CONTENT"} <= {c for e in events for c in e["checks"]} and events[0]["pid"] != os.getpid()
