@@ -20,6 +20,7 @@ KV exists) are left to ``wait_for_save``, which stamps the written slots and the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -54,6 +55,8 @@ class ReqStep:
     first_slot: int  # the slot of its first new token (matches the worker's row)
     start: int  # position of the first token in ``tokens``
     tokens: list[int]  # token ids from ``start`` on that the worker has not been sent yet
+    landed_from: int = -1  # another connector lands positions [landed_from, computed) this step
+    prompt_len: int = 0
 
 
 @dataclass
@@ -72,6 +75,9 @@ class KvCanaryConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = CanaryConfig.from_env(CanaryConfig(mode="log"))
         self.block_size = int(vllm_config.cache_config.block_size)
+        extra = dict(getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {})
+        self.stamp_store: str | None = extra.get("stamp_store") or os.environ.get("KVCANARY_STAMP_STORE")
+        self._local: dict[str, int] = {}  # request id -> tokens the local prefix cache had
         self.rank = _rank()
         # scheduler side
         self._reqs: dict[str, Any] = {}  # request id -> vLLM Request
@@ -86,12 +92,14 @@ class KvCanaryConnector(KVConnectorBase_V1):
         self.seconds = 0.0
         self._step: Step | None = None
         self._rows: list[str] = []
+        self._meta = CanaryMeta()
         self.kv_caches: dict[str, torch.Tensor] = {}
 
     # ---- scheduler side -----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._reqs[request.request_id] = request
+        self._local[request.request_id] = num_computed_tokens
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -119,12 +127,16 @@ class KvCanaryConnector(KVConnectorBase_V1):
         tokens = list(known[have:upto]) if upto > have else []
         self._sent[rid] = max(have, upto)
         first = blocks[computed // self.block_size] * self.block_size + computed % self.block_size
-        meta.reqs.append(ReqStep(rid, computed, scheduled, first, have, tokens))
+        local = self._local.pop(rid, computed)  # below computed: another connector lands the rest
+        meta.reqs.append(ReqStep(rid, computed, scheduled, first, have, tokens,
+                                 landed_from=local if local < computed else -1,
+                                 prompt_len=len(req.prompt_token_ids or [])))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._reqs.pop(rid, None)
         self._sent.pop(rid, None)
+        self._local.pop(rid, None)
         self._finished.append(rid)
         return False, None
 
@@ -166,7 +178,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
             return
         md = next(iter(md.values())) if isinstance(md, dict) else md
         step, rows = build_step(md, meta.reqs, self.book, self.block_size)
-        self._step, self._rows = step, rows
+        self._step, self._rows, self._meta = step, rows, meta
         self.canary.before_forward(step)
 
     def wait_for_save(self) -> None:
@@ -177,15 +189,54 @@ class KvCanaryConnector(KVConnectorBase_V1):
         assert self.canary is not None and self._step is not None
         self.canary.after_forward(self._step)
         self.forwards += 1
-        found = [_named(v, self._rows) for v in self.canary.drain()]
+        self._report([_named(v, self._rows) for v in self.canary.drain()])
+        if self.stamp_store:
+            self._store()
+
+    def _report(self, found: list[Violation]) -> None:
         if found:
             self.violations += found
             mode = "log" if self.config.mode == "quarantine" else self.config.mode
             self.internal_errors += report(found, 0, mode, (), self.config.violations_log, engine="vllm",
                                            rank=self.rank)
 
+    def _store(self) -> None:
+        """Save the stamps of each new prompt's whole blocks beside the KV another connector stores."""
+        from kvcanary import stamp_store
+
+        assert self.canary is not None and self._step is not None and self.stamp_store
+        bs = self.block_size
+        for r in self._meta.reqs:
+            n = (r.prompt_len - 1) // bs * bs  # what a prefix store keeps of it
+            if r.computed or r.landed_from >= 0 or n <= 0 or r.scheduled < n or r.req_id not in self._rows:
+                continue
+            row = self._rows.index(r.req_id)
+            stamps = self.canary.export_stamps(self._step.lookup(torch.full((n,), row), torch.arange(n)))
+            if stamps is not None:
+                stamp_store.save(self.stamp_store, self.book.window([r.req_id], [n], n)[0].tolist(), stamps,
+                                 {n, (r.prompt_len - 2) // bs * bs})
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None
+        """After the other connectors of a MultiConnector landed their KV: install the stamps that
+        travelled with it and verify every landed byte (a torn or wrong load is reported here)."""
+        if self._step is not None and any(r.landed_from >= 0 for r in self._meta.reqs):
+            self._shielded("the landing check", self._landed)
+
+    def _landed(self) -> None:
+        from kvcanary import stamp_store
+
+        assert self.canary is not None and self._step is not None
+        step = self._step
+        for r in self._meta.reqs:
+            if r.landed_from < 0 or r.req_id not in self._rows:
+                continue
+            row = self._rows.index(r.req_id)
+            pos = torch.arange(r.landed_from, r.computed)
+            slots = step.lookup(torch.full_like(pos, row), pos)
+            tokens = self.book.window([r.req_id], [r.computed], r.computed)[0].tolist()
+            stamps = stamp_store.load(self.stamp_store, tokens) if self.stamp_store else None
+            self.canary.import_stamps(slots, None if stamps is None else stamps[r.landed_from : r.computed])
+            self._report([dataclasses.replace(v, request=r.req_id) for v in self.canary.drain()])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -267,7 +318,10 @@ def build_step(md: Any, reqs: list[ReqStep], book: TokenBook, block_size: int) -
         new_positions=pos, new_slots=torch.where(valid[row_of], slots, -1), block_table=table,
         block_size=block_size, row_valid=valid, expected_tokens=exp,
     )
-    step.written_from = written_from(step)
+    wf = written_from(step)
+    landed = torch.tensor([x.landed_from if x is not None and x.landed_from >= 0 else c
+                           for x, c in zip(rows, cached.tolist())], dtype=torch.int64)
+    step.written_from = torch.minimum(wf, landed)  # KV another connector lands is read after it landed
     return step, rids
 
 
@@ -289,8 +343,6 @@ def _block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
 
 
 def _named(v: Violation, rids: list[str]) -> Violation:
-    import dataclasses
-
     rid = rids[v.row] if 0 <= v.row < len(rids) and rids[v.row] else None
     return dataclasses.replace(v, request=rid)
 
