@@ -93,3 +93,40 @@ def test_content_sees_swapped_words():
     row = random.Random(2).randbytes(32)
     swapped = row[8:16] + row[:8] + row[16:]
     assert h.py_content([row]) != h.py_content([swapped])
+
+
+def test_golden_narrow_content():
+    """A narrow run is one word, its bytes zero-extended (little-endian): pinned."""
+    runs = [b"\x01\x02", b"\x03\x04\x05\x06", b"\x07"]
+    assert h.py_words(runs) == [0x0201, 0x06050403, 0x07]
+    assert h.py_content_words([h.py_words(runs)]) == 0xAC1C4A8664108AFA
+    assert h.py_content_words([]) == 0
+
+
+@settings(deadline=None)
+@given(st.lists(st.binary(min_size=16, max_size=16), min_size=0, max_size=4), st.integers(1, 3))
+def test_words_of_wide_runs_are_the_content_words(chunks, nsrc):
+    """Wide runs give the words :func:`py_content` reads: the fingerprint of every wide layout stays."""
+    rows = [bytes((x + i) % 256 for x in b"".join(chunks)) for i in range(nsrc)]
+    assert h.py_content_words([h.py_words([r[j : j + 16] for j in range(0, len(r), 16)]) for r in rows]) == \
+        h.py_content(rows)
+
+
+@settings(deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=4), min_size=1, max_size=12))
+def test_torch_fold_of_zero_extended_runs_matches_python(runs):
+    words = torch.tensor([[h.signed(w) for w in h.py_words(runs)]])
+    acc = h.fold_words(words, h.word_keys(0, words.shape[1], torch.device("cpu")))
+    assert h.unsigned(int(h.finish_content(acc)[0])) == h.py_content_words([h.py_words(runs)])
+
+
+def test_narrow_content_sees_every_single_bit():
+    runs = [bytes([1, 2]), bytes([3, 4]), bytes([5])]
+    base = h.py_content_words([h.py_words(runs)])
+    for r in range(len(runs)):
+        for bit in range(8 * len(runs[r])):
+            flipped = list(runs)
+            b = bytearray(flipped[r])
+            b[bit // 8] ^= 1 << (bit % 8)
+            flipped[r] = bytes(b)
+            assert h.py_content_words([h.py_words(flipped)]) != base, (r, bit)

@@ -42,6 +42,16 @@ def make_layout(kind: str, nb: int, bs: int, seed: int) -> KvLayout:
         return KvLayout((ByteSource.from_tensor("flat", rnd(nb * bs, 48)),
                          ByteSource.from_tensor("wide", rnd(nb, bs, 320), page_size=bs),
                          ByteSource.from_tensor("heads", rnd(nb, 2, bs, 64).permute(0, 2, 1, 3), page_size=bs)))
+    from kvcanary import layouts
+
+    # vLLM CPU, 2 layers in one allocation, one head (corrupt() indexes slot_bytes as [rows, row_bytes]; many
+    # heads, whose views have a group dim, are in test_layouts.py): K in 2-byte elements bs apart, V 16-byte rows
+    if kind == "vec":
+        t = rnd(2, nb, 1, bs, 16)
+        return layouts.vllm_cpu_vec([t[0], t[1]], bs, 1, 8)
+    if kind == "amx":  # bf16: K 4-byte pairs interleaved across 16 tokens, V 2-byte elements of token pairs
+        t = rnd(2, nb, 1, bs, 32).to(torch.bfloat16)
+        return layouts.vllm_cpu_amx([t[0], t[1]], bs, 1, 16)
     return KvLayout()  # metadata only
 
 
@@ -77,6 +87,7 @@ def corrupt(rng, stamps, layout, step):
 
 CASES = [(bs, kind, lay) for bs in (1, 16, 64) for kind in ("block", "token")
          for lay in ("paged", "packed", "head_major", "partial", "mixed", "none")]
+CASES += [(16, kind, lay) for kind in ("block", "token") for lay in ("vec", "amx")]  # narrow runs: one page size
 
 
 @pytest.mark.parametrize("bs,kind,lay", CASES)

@@ -63,14 +63,16 @@ def compile_all(out_dir):
     from kvcanary.kernels.stamp import _block_aggregates, _carry, _write_kernel
     from kvcanary.kernels.verify import _verify_kernel, _window_kernel
 
-    for tag, bt, tr, st, va, ex, co, wi, block, warps in [
-        ("verify_content", True, False, False, True, True, True, True, 32, 4),
-        ("verify_content_unmasked", True, False, False, False, False, True, False, 32, 4),
-        ("verify_meta", False, True, True, False, False, False, False, 512, 8),
+    for tag, bt, tr, st, va, ex, co, wi, block, warps, narrow in [
+        ("verify_content", True, False, False, True, True, True, True, 32, 4, False),
+        ("verify_content_unmasked", True, False, False, False, False, True, False, 32, 4, False),
+        ("verify_meta", False, True, True, False, False, False, False, 512, 8, False),
+        ("verify_narrow", True, False, False, True, True, True, True, 32, 4, True),
     ]:
         compile_for_hopper(_verify_kernel, VERIFY, dict(BLOCK=block, BLOCK_TABLE=bt, HAS_TROWS=tr, HAS_STARTS=st,
                                                         HAS_VALID=va, HAS_EXP=ex, HAS_CONTENT=co, HAS_WINDOW=wi,
-                                                        CHUNK=64, SAME_PS=True, EVEN=True), tag, out_dir, warps)
+                                                        CHUNK=64, SAME_PS=True, EVEN=True, NARROW=narrow), tag, out_dir,
+                           warps)
     compile_for_hopper(_window_kernel, WINDOW, dict(RB=1024, HAS_STARTS=True, HAS_VALID=True), "window", out_dir)
     compile_for_hopper(_block_aggregates, {**TOKENS, "agg": "*i64", "n": "i32", "slots": "*i64", "valid": "*i1",
                                            "writers": "*i64"},
@@ -82,8 +84,11 @@ def compile_all(out_dir):
                                                       HAS_VALID=flag, HAS_EXP_TOK=flag, HAS_EXP_POS=flag,
                                                       HAS_CONTENT=flag, HAS_OVER=flag), f"write_{flag}", out_dir)
     for chunk, even in ((64, True), (32, False), (2, True)):
-        consts = dict(BLOCK=content_block(chunk), CHUNK=chunk, SAME_PS=even, EVEN=even)
+        consts = dict(BLOCK=content_block(chunk), CHUNK=chunk, SAME_PS=even, EVEN=even, NARROW=False)
         compile_for_hopper(_content_kernel, CONTENT, consts, f"content_{chunk}_{even}", out_dir)
+    for same_ps in (True, False):  # narrow runs (vLLM's CPU layouts): element loads at listed offsets
+        consts = dict(BLOCK=content_block(64), CHUNK=64, SAME_PS=same_ps, EVEN=False, NARROW=True)
+        compile_for_hopper(_content_kernel, CONTENT, consts, f"content_narrow_{same_ps}", out_dir)
 
 
 def test_every_kernel_compiles_for_hopper_without_spills_and_with_wide_content_loads():
@@ -91,7 +96,7 @@ def test_every_kernel_compiles_for_hopper_without_spills_and_with_wide_content_l
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = {r["kernel"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert len(reports) == 11, sorted(reports)
+    assert len(reports) == 14, sorted(reports)
     for r in reports.values():
         assert r["spill_stores"] == 0 and r["stack"] == 0, r
     for tag in ("verify_content", "verify_content_unmasked", "content_64_True", "content_32_False",

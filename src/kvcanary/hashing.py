@@ -13,7 +13,9 @@ Link
 Content
     ``content = fmix64(CONTENT_SALT ^ sum_{s,j} wmix(word[s, j] ^ key(s, j)))`` over every 8-byte
     word ``j`` of every source ``s``; ``wmix`` is a bijection, so any single changed word changes
-    the sum, and the sum is order-free, so it reduces in parallel.
+    the sum, and the sum is order-free, so it reduces in parallel. A source's words are its runs'
+    bytes in order (:mod:`kvcanary.layout`): 8 to a word, a run narrower than a word zero-extended
+    to one, so a changed byte of a narrow run still changes its word.
 """
 
 from __future__ import annotations
@@ -88,14 +90,30 @@ def py_wmix(x: int) -> int:
 
 
 def py_content(rows: list[bytes]) -> int:
-    """Content fingerprint of one slot from the raw bytes of each source (in layout order)."""
-    if not rows:
+    """Content fingerprint of one slot from the raw bytes of each source (in layout order): each
+    source's bytes read as little-endian 8-byte words (the wide runs' words, back to back)."""
+    return py_content_words([[int.from_bytes(row[8 * j : 8 * j + 8], "little") for j in range(len(row) // 8)]
+                             for row in rows])
+
+
+def py_words(runs: list[bytes]) -> list[int]:
+    """The words of one source of one slot from its runs, in order: a wide run's bytes as
+    little-endian 8-byte words, a narrow run (under 8 bytes) as one word, zero-extended."""
+    out: list[int] = []
+    for run in runs:
+        out += [int.from_bytes(run[j : j + 8], "little") for j in range(0, len(run), 8)]
+    return out
+
+
+def py_content_words(sources: list[list[int]]) -> int:
+    """Content fingerprint of one slot from the words of each source (in layout order):
+    ``fmix64(CONTENT_SALT ^ sum_{s,j} wmix(word[s][j] ^ key(s, j)))``, 0 without sources."""
+    if not sources:
         return 0
     acc = 0
-    for s, row in enumerate(rows):
-        for j in range(len(row) // 8):
-            w = int.from_bytes(row[8 * j : 8 * j + 8], "little")
-            acc = (acc + py_wmix(w ^ py_word_key(s, j))) & MASK64
+    for s, words in enumerate(sources):
+        for j, w in enumerate(words):
+            acc = (acc + py_wmix((w & MASK64) ^ py_word_key(s, j))) & MASK64
     return py_fmix64(acc ^ CONTENT_SALT)
 
 

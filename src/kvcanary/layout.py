@@ -2,31 +2,44 @@
 
 A :class:`ByteSource` describes one byte view of one engine tensor (a layer's K, a layer's V, a
 packed K|V block, an MLA latent row, a quantization-scale strip). Slot ``s`` lives in page
-``s // page_size`` at in-page index ``s % page_size``; its bytes are ``rows`` contiguous runs of
-``row_bytes`` each::
+``s // P`` (``P = page_size``) at in-page index ``i = s % P``; inside a page, slots come in packs
+of ``T = token_pack`` (``T`` divides ``P``; by default ``T = P``, one pack). A slot's bytes are runs
+of ``row_bytes`` contiguous bytes: ``rows`` runs ``row_stride`` apart, repeated over the
+``groups`` ``(count_k, stride_k)``, outermost first::
 
-    addr(s, r, b) = offset + (s // page_size) * page_stride + (s % page_size) * token_stride
-                    + r * row_stride + b                      for r < rows, b < row_bytes
+    addr(s, g, r, b) = offset + (s // P) * page_stride + (i // T) * pack_stride + (i % T) * token_stride
+                       + sum_k g_k * stride_k + r * row_stride + b
+                       for g_k < count_k, r < rows, b < row_bytes
 
-All quantities are in bytes. ``read_bytes`` (a multiple of 16, at most the token's bytes) is how
-much of the token's byte sequence the content fingerprint covers; by default all of it.
-A :class:`KvLayout` is an ordered list of sources; the order fixes the fingerprint.
+All quantities are in bytes. A run is *wide* (``row_bytes`` a multiple of 16, every stride
+16-byte aligned) or *narrow* (``row_bytes`` 1, 2 or 4, every stride a multiple of it): vLLM's CPU
+backend stores one token's K as single elements ``block_size`` elements apart, or as 4-byte pairs
+packed across 16 tokens.
+
+The content fingerprint reads a slot as a sequence of 8-byte words, its runs in the order
+``(g_1, ..., g_k, r)``: a wide run gives its ``row_bytes / 8`` little-endian words, a narrow run
+one word, its bytes zero-extended. Word ``j`` of source ``n`` is keyed ``key(n, j)``
+(:mod:`kvcanary.hashing`), so any single changed byte changes the fingerprint. ``read_bytes`` (at
+most the token's bytes; a multiple of 16, or of a narrow run's width) is how much of that byte
+sequence the fingerprint covers; by default all of it. A :class:`KvLayout` is an ordered list of
+sources; the order fixes the fingerprint.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from kvcanary import hashing
+from kvcanary._reads import Run, check_disjoint, fuse_runs
 from kvcanary.errors import LayoutError
 
-LOAD_WIDTH = 16  # bytes: content reads are whole 16-byte loads
+LOAD_WIDTH = 16  # bytes: wide content reads are whole 16-byte loads
+NARROW_WIDTHS = (1, 2, 4)  # bytes: a run this narrow is read as one element, zero-extended to a word
 MAX_SOURCES = 256  # entries in the fixed-size source table the kernels take
-MAX_OVERLAP_RUNS = 1 << 22  # byte runs the overlap check lists per storage; beyond, it is skipped
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,8 +53,11 @@ class ByteSource:
     page_size : slots per page (1 for a flat ``[num_slots, ...]`` tensor)
     num_pages : pages the tensor holds
     page_stride, token_stride, row_stride, offset : bytes
-    rows, row_bytes : a token's bytes are ``rows`` runs of ``row_bytes`` contiguous bytes
+    rows, row_bytes : a token's bytes are (per group) ``rows`` runs of ``row_bytes`` contiguous bytes
     read_bytes : bytes of each token the content fingerprint covers (``None``: all of them)
+    groups : ``(count, stride)`` of each further repetition of the rows, outermost first (bytes)
+    token_pack, pack_stride : slots per pack inside a page and the bytes between packs
+        (``None``: the page is one pack)
     """
 
     name: str
@@ -55,65 +71,150 @@ class ByteSource:
     row_bytes: int
     offset: int
     read_bytes: int | None = None
-    _words: torch.Tensor = field(init=False, repr=False)
+    groups: tuple[tuple[int, int], ...] = ()
+    token_pack: int | None = None
+    pack_stride: int = 0
 
     def __post_init__(self) -> None:
-        for k in ("page_size", "num_pages", "rows", "row_bytes"):
+        groups = tuple((int(n), int(st)) for n, st in self.groups)
+        for n, st in groups:
+            if n < 1:
+                raise LayoutError(f"source {self.name!r}: group count must be >= 1, got {n} in groups {groups}")
+        object.__setattr__(self, "groups", tuple((n, st) for n, st in groups if n > 1))  # a count of 1 is free
+        object.__setattr__(self, "token_pack", self.page_size if self.token_pack is None else self.token_pack)
+        for k in ("page_size", "num_pages", "rows", "row_bytes", "token_pack"):
             if getattr(self, k) < 1:
                 raise LayoutError(f"source {self.name!r}: {k} must be >= 1, got {getattr(self, k)}")
-        for k, n, what in (("offset", 1, ""), ("page_stride", self.num_pages, "pages"),
-                           ("token_stride", self.page_size, "slots per page"), ("row_stride", self.rows, "rows")):
-            v = getattr(self, k)
+        if self.page_size % self.pack:
+            raise LayoutError(f"source {self.name!r}: token_pack {self.pack} must divide page_size {self.page_size}")
+        for k, v, n, what in self._strides():
             if v < 0:
                 raise LayoutError(f"source {self.name!r}: {k}: expected >= 0 bytes, got {v}")
             if v == 0 and n > 1:  # a stride is free only along a dimension of one
                 raise LayoutError(f"source {self.name!r}: {k}: expected > 0 bytes with {n} {what} (they would "
                                   "share bytes), got 0")
+        if self.narrow:
+            self._check_narrow()
+        else:
+            self._check_wide()
+        last = (self.offset + self.row_bytes + (self.num_pages - 1) * self.page_stride
+                + (self.page_size // self.pack - 1) * self.pack_stride + (self.pack - 1) * self.token_stride
+                + sum((n - 1) * st for n, st in self.run_dims))
+        nbytes = self.tensor.untyped_storage().nbytes()
+        if last > nbytes:
+            raise LayoutError(
+                f"source {self.name!r}: described bytes end at {last}, beyond the tensor's storage "
+                f"of {nbytes} bytes"
+            )
+
+    def _strides(self) -> list[tuple[str, int, int, str]]:
+        """(name, bytes, count along it, what is counted) of every stride, offset first."""
+        out = [("offset", self.offset, 1, ""), ("page_stride", self.page_stride, self.num_pages, "pages"),
+               ("pack_stride", self.pack_stride, self.page_size // self.pack, "packs per page"),
+               ("token_stride", self.token_stride, self.pack, "slots per pack" if self.packed else "slots per page")]
+        out += [(f"groups[{i}] stride", st, n, "groups") for i, (n, st) in enumerate(self.groups)]
+        return out + [("row_stride", self.row_stride, self.rows, "rows")]
+
+    def _check_narrow(self) -> None:
+        w = self.row_bytes
+        rb = self.bytes_per_token if self.read_bytes is None else self.read_bytes
+        object.__setattr__(self, "read_bytes", rb)
+        if rb <= 0 or rb % w:
+            raise LayoutError(f"source {self.name!r}: content read size must be a positive multiple of the "
+                              f"{w}-byte run width, got {rb}")
+        if rb > self.bytes_per_token:
+            raise LayoutError(f"source {self.name!r}: content read size {rb} exceeds the bytes per token "
+                              f"({self.bytes_per_token})")
+        for k, v, n, _ in self._strides():
+            if v % w and (n > 1 or k == "offset"):
+                raise LayoutError(f"source {self.name!r}: {k} = {v} bytes is not a multiple of the {w}-byte run "
+                                  f"width (a narrow run is read as one {w}-byte element)")
+
+    def _check_wide(self) -> None:
         implicit = self.read_bytes is None
         rb = self.bytes_per_token if self.read_bytes is None else self.read_bytes
         object.__setattr__(self, "read_bytes", rb)
+        hint = "" if self.row_bytes % LOAD_WIDTH == 0 else f"; a run is 1, 2 or 4 bytes, or a multiple of {LOAD_WIDTH}"
         if rb <= 0 or rb % LOAD_WIDTH:
             raise LayoutError(
                 f"source {self.name!r}: content read size must be a positive multiple of {LOAD_WIDTH} "
-                f"bytes, got {rb}" + (" (pass read_bytes explicitly)" if implicit else "")
+                f"bytes, got {rb}" + (" (pass read_bytes explicitly)" if implicit else "") + hint
             )
         if rb > self.bytes_per_token:
             raise LayoutError(
                 f"source {self.name!r}: content read size {rb} exceeds the bytes per token "
                 f"({self.bytes_per_token})"
             )
-        if self.rows > 1 and rb > self.row_bytes and rb % self.row_bytes:
+        if self.runs_per_token > 1 and rb > self.row_bytes and rb % self.row_bytes:
             raise LayoutError(
                 f"source {self.name!r}: read size {rb} spans rows, so it must be a multiple of the "
                 f"row size {self.row_bytes}"
             )
-        for k in ("offset", "page_stride", "token_stride", "row_stride", "row_bytes"):
-            v = getattr(self, k)
-            if v % LOAD_WIDTH and not (k == "row_stride" and self.rows == 1):
+        for k, v, n, _ in [("row_bytes", self.row_bytes, 1, "")] + self._strides():
+            if v % LOAD_WIDTH and (n > 1 or k in ("offset", "page_stride", "token_stride", "row_bytes")):
                 raise LayoutError(
                     f"source {self.name!r}: {k} = {v} bytes is not a multiple of the {LOAD_WIDTH}-byte "
-                    "load width"
+                    "load width" + (hint if k == "row_bytes" else "")
                 )
-        object.__setattr__(self, "_words", self._word_view())
+
+    @property
+    def narrow(self) -> bool:
+        """Runs of 1, 2 or 4 bytes, each read as one zero-extended word."""
+        return self.row_bytes in NARROW_WIDTHS
+
+    @property
+    def pack(self) -> int:
+        """Slots per pack (``token_pack``, resolved)."""
+        assert self.token_pack is not None
+        return self.token_pack
+
+    @property
+    def packed(self) -> bool:
+        return self.pack != self.page_size
+
+    @property
+    def run_dims(self) -> tuple[tuple[int, int], ...]:
+        """``(count, stride)`` of every repetition of a token's runs, outermost first (the rows last)."""
+        return self.groups + ((self.rows, self.row_stride),)
+
+    @property
+    def runs_per_token(self) -> int:
+        return math.prod(n for n, _ in self.run_dims)
 
     @property
     def bytes_per_token(self) -> int:
-        return self.rows * self.row_bytes
+        return self.runs_per_token * self.row_bytes
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
     @property
-    def read_rows(self) -> int:
+    def read_runs(self) -> int:
+        """Runs of one token the fingerprint reads (a wide partial read reads part of the first)."""
         assert self.read_bytes is not None
-        return max(1, self.read_bytes // self.row_bytes)
+        return self.read_bytes // self.row_bytes if self.narrow else max(1, self.read_bytes // self.row_bytes)
+
+    read_rows = read_runs  # the name from before groups: runs and rows agree without them
 
     @property
     def read_words(self) -> int:
-        """8-byte words of one token the fingerprint reads."""
+        """8-byte words of one token the fingerprint reads (a narrow run is one word)."""
         assert self.read_bytes is not None
-        return self.read_bytes // 8
+        return self.read_runs if self.narrow else self.read_bytes // 8
+
+    def run_offsets(self) -> torch.Tensor:
+        """Byte offset of each of a token's runs from its first, in word order, int64 ``[runs_per_token]``."""
+        offs = torch.zeros(1, dtype=torch.int64)
+        for n, st in self.run_dims:
+            offs = (offs[:, None] + torch.arange(n, dtype=torch.int64) * st).reshape(-1)
+        return offs
+
+    def slot_offset(self, slot: int) -> int:
+        """Byte address of slot ``slot``'s first run in the storage."""
+        page, i = divmod(slot, self.page_size)
+        return (self.offset + page * self.page_stride + (i // self.pack) * self.pack_stride
+                + (i % self.pack) * self.token_stride)
 
     def _storage_bytes(self) -> torch.Tensor:
         """The whole storage under the engine's tensor as a flat uint8 tensor (no copy)."""
@@ -121,28 +222,12 @@ class ByteSource:
         flat = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
         return flat.set_(storage, 0, (storage.nbytes(),), (1,))
 
-    def _word_view(self) -> torch.Tensor:
-        flat = self._storage_bytes()
-        nbytes = flat.shape[0]
-        usable = nbytes // 8 * 8
-        words = flat[:usable].view(torch.int64)
-        rw = min(self.read_bytes or 0, self.row_bytes) // 8
-        shape = (self.num_pages, self.page_size, self.read_rows, rw)
-        strides = (self.page_stride // 8, self.token_stride // 8, self.row_stride // 8, 1)
-        last = self.offset + sum((n - 1) * s for n, s in zip(shape, strides)) * 8 + 8
-        if self.offset < 0 or last > usable:
-            raise LayoutError(
-                f"source {self.name!r}: described bytes end at {last}, beyond the tensor's storage "
-                f"of {nbytes} bytes"
-            )
-        return words.as_strided(shape, strides, self.offset // 8)
-
     def slot_bytes(self, slot: int) -> torch.Tensor:
-        """A writable uint8 view ``[rows, row_bytes]`` of one slot's bytes (fault injection, tests)."""
-        flat = self._storage_bytes()
-        page, off = divmod(slot, self.page_size)
-        base = self.offset + page * self.page_stride + off * self.token_stride
-        return flat.as_strided((self.rows, self.row_bytes), (self.row_stride, 1), base)
+        """A writable uint8 view ``[*group counts, rows, row_bytes]`` of one slot's bytes (fault
+        injection, tests): ``[rows, row_bytes]`` for a source without groups."""
+        shape = tuple(n for n, _ in self.run_dims) + (self.row_bytes,)
+        strides = tuple(st for _, st in self.run_dims) + (1,)
+        return self._storage_bytes().as_strided(shape, strides, self.slot_offset(slot))
 
     @classmethod
     def from_tensor(
@@ -210,64 +295,6 @@ def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return all(n == 1 or s == d for n, s, d in zip(shape, strides, _dense_strides(shape)))
 
 
-def _dims(s: ByteSource) -> list[tuple[int, int]]:
-    """(count, stride) of each dimension of more than one along which a source repeats its runs
-    of ``row_bytes``, the largest stride first."""
-    dims = ((s.num_pages, s.page_stride), (s.page_size, s.token_stride), (s.rows, s.row_stride))
-    return sorted(((n, st) for n, st in dims if n > 1), key=lambda d: -d[1])
-
-
-def _run_starts(s: ByteSource, outer: int) -> torch.Tensor:
-    """Start bytes of the source's runs whose index along its outermost dimension is below ``outer``."""
-    starts = torch.tensor([s.offset])
-    for i, (n, st) in enumerate(_dims(s)):
-        starts = (starts[:, None] + torch.arange(min(n, outer) if i == 0 else n) * st).reshape(-1)
-    return starts
-
-
-def _check_disjoint(group: Sequence[ByteSource]) -> None:
-    """Raise unless no byte of one storage is covered twice, by two sources of ``group`` or by two
-    slots or rows of one.
-
-    When every source repeats with the same outermost stride ``S`` (pages of one tensor), an overlap
-    shifted by whole periods stays an overlap, so one at outer indices ``(0, k)`` exists, with ``k * S``
-    below the group's byte spread: listing the first few periods of each source is exact. Other
-    groups are listed whole, up to ``MAX_OVERLAP_RUNS`` runs.
-    """
-    dims = [_dims(s) for s in group]
-    outer = {d[0][1] if d else 0 for d in dims}
-    count = [d[0][0] if d else 1 for d in dims]
-    periods = max(count)
-    if len(outer) == 1 and 0 not in outer:
-        inner = [s.offset + s.row_bytes + sum((n - 1) * st for n, st in d[1:]) for s, d in zip(group, dims)]
-        periods = (max(inner) - min(s.offset for s in group)) // next(iter(outer)) + 2
-    total = sum(min(c, periods) * s.rows * s.num_slots // c for s, c in zip(group, count))
-    if total > MAX_OVERLAP_RUNS:
-        return
-    starts = [_run_starts(s, periods) for s in group]
-    start = torch.cat(starts)
-    end = torch.cat([st + s.row_bytes for st, s in zip(starts, group)])
-    who = torch.cat([torch.full_like(st, i) for i, st in enumerate(starts)])
-    order = torch.argsort(start, stable=True)
-    start, end, who = start[order], end[order], who[order]
-    hit = (start[1:] < torch.cummax(end, 0).values[:-1]).nonzero()  # a run begins before an earlier one ends
-    if not hit.numel():
-        return
-    i = int(hit[0]) + 1
-    j = int((end[:i] > start[i]).nonzero()[0])
-    a, b, at = group[int(who[j])], group[int(who[i])], int(start[i])
-    if a is b:
-        raise LayoutError(
-            f"source {a.name!r}: two of its slots or rows both cover byte {at} of the storage (page_stride "
-            f"{a.page_stride}, token_stride {a.token_stride}, row_stride {a.row_stride}, row_bytes {a.row_bytes}); "
-            "expected every byte in at most one slot's row"
-        )
-    raise LayoutError(
-        f"sources {a.name!r} (offset {a.offset}) and {b.name!r} (offset {b.offset}) both cover byte {at} of "
-        "their storage: expected sources over disjoint bytes"
-    )
-
-
 @dataclass(frozen=True, eq=False)
 class KvLayout:
     """An ordered list of byte sources over one pool of KV slots (empty: metadata only)."""
@@ -288,8 +315,8 @@ class KvLayout:
         for s in self.sources:
             by_storage.setdefault(s.tensor.untyped_storage().data_ptr(), []).append(s)
         for group in by_storage.values():
-            _check_disjoint(group)
-        object.__setattr__(self, "_runs", _fuse_runs(self.sources))
+            check_disjoint(group)
+        object.__setattr__(self, "_runs", fuse_runs(self.sources))
 
     @property
     def content_bytes_per_slot(self) -> int:
@@ -310,7 +337,7 @@ class KvLayout:
         if not self.sources:
             return torch.zeros(n, dtype=torch.int64, device=slots.device)
         acc = torch.zeros(n, dtype=torch.int64, device=slots.device)
-        runs: list[_Run] = getattr(self, "_runs")
+        runs: list[Run] = getattr(self, "_runs")
         for run in runs:
             # chunks keep the temporaries [chunk, words] within a cache-friendly size
             chunk = max(1, chunk_words // run.keys.shape[0])
@@ -331,53 +358,3 @@ class KvLayout:
         return cls(
             tuple(ByteSource.from_tensor(n, t, page_size=page_size, read_bytes=read_bytes) for n, t in tensors)
         )
-
-
-@dataclass(frozen=True, eq=False)
-class _Run:
-    """Consecutive sources read by one gather: the same storage and geometry, evenly spaced (a
-    packed cache's per-layer K and V pages), or one source. ``view`` is ``[bases, parts, words]``
-    over the storage's int64 words: row ``b`` holds the ``parts`` runs of ``words`` words that
-    start at word ``b`` (sources of the run, or rows of one source)."""
-
-    view: torch.Tensor
-    page_size: int
-    page_stride: int  # words
-    token_stride: int  # words
-    keys: torch.Tensor  # the sources' word keys, concatenated in layout order
-
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        base = torch.div(slots, self.page_size, rounding_mode="floor") * self.page_stride
-        base += (slots % self.page_size) * self.token_stride
-        return self.view.index_select(0, base).reshape(slots.shape[0], -1)
-
-
-def _fusable(a: ByteSource, b: ByteSource) -> bool:
-    same = ("page_size", "num_pages", "page_stride", "token_stride", "row_bytes", "read_bytes")
-    return (a.rows == b.rows == 1 and all(getattr(a, k) == getattr(b, k) for k in same)
-            and a.tensor.untyped_storage().data_ptr() == b.tensor.untyped_storage().data_ptr())
-
-
-def _fuse_runs(sources: Sequence[ByteSource]) -> list[_Run]:
-    runs: list[_Run] = []
-    i = 0
-    while i < len(sources):
-        j = i + 1
-        if j < len(sources) and _fusable(sources[i], sources[j]):
-            delta = sources[j].offset - sources[i].offset
-            while (j < len(sources) and _fusable(sources[i], sources[j])
-                   and sources[j].offset - sources[j - 1].offset == delta):
-                j += 1
-        group = sources[i:j]
-        keys = torch.cat([hashing.word_keys(i + k, s.read_words, s.tensor.device) for k, s in enumerate(group)])
-        w = group[0]._words  # [pages, page_size, read_rows, row_words]
-        st = w.stride()
-        if len(group) == 1:
-            parts, part_stride = w.shape[2], st[2]
-        else:
-            parts, part_stride = len(group), (group[1].offset - group[0].offset) // 8
-        bases = (w.shape[0] - 1) * st[0] + (w.shape[1] - 1) * st[1] + 1
-        view = w.as_strided((bases, parts, w.shape[3]), (1, part_stride, 1), w.storage_offset())
-        runs.append(_Run(view, group[0].page_size, st[0], st[1], keys))
-        i = j
-    return runs

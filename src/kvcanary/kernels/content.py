@@ -13,13 +13,13 @@ TILE = 2048  # words of one content tile ([slots, chunk]): 16 per lane at 4 warp
 
 @triton.jit
 def _content_kernel(slots, out, n, num_slots, src, nsrc, ntiles, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                    SAME_PS: tl.constexpr, EVEN: tl.constexpr):
+                    SAME_PS: tl.constexpr, EVEN: tl.constexpr, NARROW: tl.constexpr):
     """out[i] = fingerprint(slots[i]) for 0 <= slots[i] < num_slots, else 0."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     s = tl.load(slots + i, mask=m, other=-1).to(tl.int64)
     ok = m & (s >= 0) & (s < num_slots)
-    fp = fold_sources(tl.where(ok, s, 0), ok, src, nsrc, ntiles, CHUNK, SAME_PS, EVEN)
+    fp = fold_sources(tl.where(ok, s, 0), ok, src, nsrc, ntiles, CHUNK, SAME_PS, EVEN, NARROW)
     tl.store(out + i, tl.where(ok, i64(fp), 0), mask=m)
 
 
@@ -41,4 +41,4 @@ def content(slots: torch.Tensor, src: SourceTable, num_slots: int, out: torch.Te
     block = content_block(src.chunk)
     _content_kernel[(triton.cdiv(n, block),)](slots, out, n, num_slots, src.table, src.count, src.tiles,
                                               BLOCK=block, CHUNK=src.chunk, SAME_PS=src.same_page_size,
-                                              EVEN=src.even)
+                                              EVEN=src.even, NARROW=src.narrow)

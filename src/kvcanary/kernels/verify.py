@@ -107,7 +107,7 @@ def _verify_kernel(
     first, meta, cursor, src, nsrc, ntiles, bytes_per_slot, counters, ring, cap,
     BLOCK: tl.constexpr, BLOCK_TABLE: tl.constexpr, HAS_TROWS: tl.constexpr, HAS_STARTS: tl.constexpr,
     HAS_VALID: tl.constexpr, HAS_EXP: tl.constexpr, HAS_CONTENT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    CHUNK: tl.constexpr, SAME_PS: tl.constexpr, EVEN: tl.constexpr,
+    CHUNK: tl.constexpr, SAME_PS: tl.constexpr, EVEN: tl.constexpr, NARROW: tl.constexpr,
 ):
     """Per read entry (row r, position p): POSITION, LINK (stored link == B*pred.link + g(token, pos)),
     TOKEN, CONTENT (every entry, or those in the window), EMPTY, BAD_SLOT; an unknown slot (position
@@ -162,7 +162,8 @@ def _verify_kernel(
                 bump(cursor, tl.sum(m.to(tl.int64), axis=0))  # every entry is in the window
             nsel = tl.sum(sel.to(tl.int64), axis=0)
             if nsel > 0:  # a block wholly outside the window skips the tile loop
-                exp_cont = tl.where(sel, i64(fold_sources(sl, sel, src, nsrc, ntiles, CHUNK, SAME_PS, EVEN)), 0)
+                exp_cont = tl.where(sel, i64(fold_sources(sl, sel, src, nsrc, ntiles, CHUNK, SAME_PS, EVEN,
+                                                          NARROW)), 0)
             checks |= tl.where(sel & (s_cont != exp_cont), 8, 0)
             bump(counters + 4, nsel)
             bump(counters + 6, nsel * bytes_per_slot)
@@ -219,5 +220,6 @@ def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.T
         first, meta, cursor, src.table, src.count, src.tiles, src.bytes_per_slot, counters, ring, ring.shape[0],
         BLOCK=block, BLOCK_TABLE=step.block_table is not None, HAS_TROWS=step.table_rows is not None,
         HAS_EXP=exp is not None, HAS_CONTENT=has_content, HAS_WINDOW=window, CHUNK=src.chunk,
-        SAME_PS=src.same_page_size, EVEN=src.even, num_warps=4 if has_content else META_WARPS, **flags,
+        SAME_PS=src.same_page_size, EVEN=src.even, NARROW=src.narrow, num_warps=4 if has_content else META_WARPS,
+        **flags,
     )
