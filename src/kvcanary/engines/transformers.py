@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any, Callable
 
 import torch
 
-from kvcanary.canary import report
 from kvcanary.config import CanaryConfig
 from kvcanary.engines import transformers_hooks as cb_hooks
+from kvcanary.engines.base import Adapter
 from kvcanary.engines.hf_models import cb_configs, tiny_model
-from kvcanary.engines.token_book import TokenBook
 from kvcanary.engines.transformers_quarantine import Quarantine
 from kvcanary.engines.transformers_steps import Group, build_steps, group_layout
-from kvcanary.errors import ConfigError, KvCorruptionError, UnsupportedError
+from kvcanary.errors import ConfigError, UnsupportedError
 from kvcanary.step import Step
 from kvcanary.violations import Violation
 
@@ -56,7 +54,7 @@ def check_version(version: str) -> None:
         )
 
 
-class Protection:
+class Protection(Adapter):
     """The canaries of one protected model; a context manager that installs and removes the hooks.
 
     Parameters
@@ -70,6 +68,8 @@ class Protection:
     on_violation : called with every batch of drained violations (request ids filled in)
     """
 
+    engine = "transformers"
+
     def __init__(self, model: Any, config: CanaryConfig | None = None, check_tokens: bool = True,
                  on_violation: Callable[[list[Violation]], None] | None = None) -> None:
         import transformers
@@ -81,22 +81,16 @@ class Protection:
         if not callable(getattr(model, "generate_batch", None)) or not hasattr(model, "config"):
             raise UnsupportedError(f"model: expected a transformers model that runs continuous batching "
                                    f"(a causal LM with generate_batch), got {type(model).__name__}")
+        super().__init__(config or CanaryConfig(mode="log"), on_violation)
         self.model = model
-        self.config = config or CanaryConfig(mode="log")
         self.check_tokens = check_tokens
-        self.on_violation = on_violation
         self.groups: dict[str, Group] = {}
         self.cache: Any = None
-        self.violations: list[Violation] = []
         self.forwards = 0
-        self.seconds = 0.0  # host time spent in the canary's hooks
-        self.internal_errors = 0
-        self._book = TokenBook()
         self._offloaded: dict[str, dict[str, torch.Tensor | None]] = {}
         self.rows: dict[int, list[str]] = {}  # forward -> request id of each step row
         self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
         self._stream: Any = None
-        self.pending: BaseException | None = None  # raise mode: what generate_batch raises in the caller
         self.quarantine = Quarantine(self)
         self._freed: dict[str, dict[int, torch.Tensor]] = {}  # group -> block -> stamps, freed since the last forward
 
@@ -124,12 +118,6 @@ class Protection:
         if exc_type is None:
             self.raise_pending()  # a raise-mode error that no generate_batch call has raised yet
 
-    def raise_pending(self) -> None:
-        """Raise, in the calling thread, the error that stopped the engine in ``raise`` mode."""
-        err, self.pending = self.pending, None
-        if err is not None:
-            raise err
-
     # ---- reporting ----------------------------------------------------------------------------
 
     def poll(self, request: str | None = None) -> list[Violation]:
@@ -147,14 +135,7 @@ class Protection:
                 found.append(dataclasses.replace(v, request=rid, group=name))
         if not found:
             return found
-        self.violations += found
-        mode = "log" if self.config.mode == "quarantine" else self.config.mode
-        try:
-            self.internal_errors += report(found, 0, mode, [self.on_violation] if self.on_violation else [],
-                                           self.config.violations_log, engine="transformers")
-        except KvCorruptionError as e:
-            self.pending = e
-            raise
+        self.report(found)
         if self.config.mode == "quarantine":
             self.quarantine.mark(found)
         return found
@@ -171,47 +152,21 @@ class Protection:
         group = v.group or next((n for n, g in self.groups.items() if v in g.canary.history), "?")
         return f"{dataclasses.replace(v, request=None).describe()} [request {rid}, group {group}]"
 
+    def canaries(self) -> list[Any]:
+        return [g.canary for g in self.groups.values()]
+
     def stats(self) -> dict[str, int]:
-        out: dict[str, int] = {"forwards": self.forwards, "canary_us": int(self.seconds * 1e6)}
-        for g in self.groups.values():
-            for k, v in g.canary.stats().items():
-                out[k] = out.get(k, 0) + v
-        out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
+        out = super().stats()
+        out["forwards"] = self.forwards
         out["requests_quarantined"] = len(self.quarantine.failed)
         return out
 
-    # ---- the canary's own failures --------------------------------------------------------------
+    def work_context(self) -> Any:
+        return cb_hooks.canary_work(self._stream)
 
-    def _shielded(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run the canary's work of one hook on the forward's stream and one thread. A failure of
-        the canary's own never reaches the engine outside ``raise`` mode: it is counted, and every
-        stamp the failure may have left stale becomes unknown, so it never turns into false reports."""
-        t0 = time.perf_counter()
-        try:
-            with cb_hooks.canary_work(self._stream):
-                return fn(*args)
-        except KvCorruptionError:
-            raise  # raise mode only (poll records it as pending first)
-        except Exception as e:
-            if self.config.mode == "raise":
-                self.pending = e
-                raise
-            self.internal_errors += 1
-            log.error("kvcanary internal error in %s (counted, not raised)", where,
-                      exc_info=e if self.internal_errors <= 3 else None)
-            self._recover()
-            return None
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def _recover(self) -> None:
-        try:
-            self._book = TokenBook()
-            self._offloaded.clear()
-            for g in self.groups.values():
-                g.canary.forget_all()
-        except Exception:  # nothing more can be done; the counters already say something failed
-            log.exception("kvcanary: recovery after an internal error failed")
+    def recover(self) -> None:
+        self._offloaded.clear()
+        super().recover()
 
     # ---- hooks ------------------------------------------------------------------------------------
 
@@ -234,11 +189,11 @@ class Protection:
 
     def build_steps(self, runner: Any, batch: dict, reqs: list | None = None) -> dict[str, Step]:
         """One Step per layer group from a forward's own metadata (see :func:`transformers_steps.build_steps`)."""
-        return build_steps(self.groups, self._book if self.check_tokens else None, runner, batch, reqs)
+        return build_steps(self.groups, self.book if self.check_tokens else None, runner, batch, reqs)
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         self._stream = getattr(runner.inputs_and_outputs, "compute_stream", None)  # the forward's (None on a CPU)
-        return self._shielded("the before-forward hook", self._before, runner, batch)  # type: ignore[no-any-return]
+        return self.shielded("the before-forward hook", self._before, runner, batch)  # type: ignore[no-any-return]
 
     def _before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
@@ -258,7 +213,7 @@ class Protection:
 
     def after(self, steps: dict[str, Step] | None) -> None:
         if steps is not None:
-            self._shielded("the after-forward hook", self._after, steps)
+            self.shielded("the after-forward hook", self._after, steps)
 
     def _after(self, steps: dict[str, Step]) -> None:
         for name, step in steps.items():
@@ -266,11 +221,11 @@ class Protection:
         self.forwards += 1
         self.poll()
         if self.forwards % 64 == 0 and self.cache is not None:  # requests that left the cache
-            self._book.forget_except({rid for a in self.cache.cache_allocators.values() for rid in a.block_table})
+            self.book.forget_except({rid for a in self.cache.cache_allocators.values() for rid in a.block_table})
 
     def released(self, index: int, blocks: list[int]) -> None:
         """The engine returned ``blocks`` of the group with allocator ``index`` to its free pool."""
-        self._shielded("the block-free hook", self._released, index, blocks)
+        self.shielded("the block-free hook", self._released, index, blocks)
 
     def _released(self, index: int, blocks: list[int]) -> None:
         for name, g in self.groups.items():
@@ -287,7 +242,7 @@ class Protection:
 
     def pool_reset(self) -> None:
         """The engine gave every block back (a cache reset): every slot is free."""
-        self._shielded("the pool-reset hook", self._pool_reset)
+        self.shielded("the pool-reset hook", self._pool_reset)
 
     def _pool_reset(self) -> None:
         for g in self.groups.values():
@@ -296,7 +251,7 @@ class Protection:
 
     def offloaded(self, cache: Any, rids: set[str], tables: dict[str, dict[str, list[int]]]) -> None:
         """Blocks of ``rids`` were copied to the CPU tier: keep their stamps beside them."""
-        self._shielded("the offload hook", self._offloaded_hook, cache, rids, tables)
+        self.shielded("the offload hook", self._offloaded_hook, cache, rids, tables)
 
     def _offloaded_hook(self, cache: Any, rids: set[str], tables: dict[str, dict[str, list[int]]]) -> None:
         self._ensure_groups(cache)
@@ -313,7 +268,7 @@ class Protection:
 
     def copied(self, allocator: Any, source: list[int], dest: list[int]) -> None:
         """A fork copied whole blocks inside the pool: their stamps follow, and the copies are verified."""
-        self._shielded("the block-copy hook", self._copied, allocator, source, dest)
+        self.shielded("the block-copy hook", self._copied, allocator, source, dest)
 
     def _copied(self, allocator: Any, source: list[int], dest: list[int]) -> None:
         g = next((g for g in self.groups.values() if g.allocator is allocator), None)
@@ -323,7 +278,7 @@ class Protection:
 
     def restored(self, cache: Any, rids: list[str]) -> None:
         """Blocks of ``rids`` came back from the CPU tier: install their stamps and verify the bytes."""
-        self._shielded("the restore hook", self._restored, cache, rids)
+        self.shielded("the restore hook", self._restored, cache, rids)
 
     def _restored(self, cache: Any, rids: list[str]) -> None:
         self._ensure_groups(cache)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +33,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcanary.canary import Canary, report
+from kvcanary import layouts
+from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
+from kvcanary.engines.base import Adapter, step_from_block_table
 from kvcanary.engines.token_book import TokenBook
-from kvcanary.errors import KvCorruptionError, UnsupportedError
+from kvcanary.errors import UnsupportedError
 from kvcanary.step import Step
 from kvcanary.violations import Violation
 
@@ -68,12 +69,14 @@ class CanaryMeta(KVConnectorMetadata):
     zeroed: list[int] = field(default_factory=list)  # blocks vLLM zeroes before this forward
 
 
-class KvCanaryConnector(KVConnectorBase_V1):
-    """vLLM V1 KV connector that runs kvcanary on every worker. Loads and saves nothing."""
+class KvCanaryConnector(KVConnectorBase_V1, Adapter):
+    """vLLM V1 KV connector that runs kvcanary on every worker. Loads and saves no KV itself."""
+
+    engine = "vllm"
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        self.config = CanaryConfig.from_env(CanaryConfig(mode="log"))
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        Adapter.__init__(self, CanaryConfig.from_env(CanaryConfig(mode="log")))
         self.block_size = int(vllm_config.cache_config.block_size)
         extra = dict(getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {})
         self.stamp_store: str | None = extra.get("stamp_store") or os.environ.get("KVCANARY_STAMP_STORE")
@@ -85,11 +88,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         self._finished: list[str] = []
         # worker side
         self.canary: Canary | None = None
-        self.book = TokenBook()
-        self.violations: list[Violation] = []
-        self.internal_errors = 0
         self.forwards = 0
-        self.seconds = 0.0
         self._step: Step | None = None
         self._rows: list[str] = []
         self._meta = CanaryMeta()
@@ -142,8 +141,11 @@ class KvCanaryConnector(KVConnectorBase_V1):
 
     # ---- worker side --------------------------------------------------------------------------
 
+    def canaries(self) -> list[Canary]:
+        return [self.canary] if self.canary is not None else []
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._shielded("register_kv_caches", self._register, kv_caches)
+        self.shielded("register_kv_caches", self._register, kv_caches)
 
     def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
@@ -153,14 +155,18 @@ class KvCanaryConnector(KVConnectorBase_V1):
                                    f"2 * head_dim] tensors, got shape {tuple(t.shape)} on {t.device}")
         num_blocks, heads, bs, two_d = t.shape
         self.kv_caches = kv_caches
-        layout = cpu_layout(tensors, list(kv_caches), bs, heads, two_d // 2)
-        self.canary = Canary(num_blocks * bs, layout, self.config)
+        isa = _cpu_isa(t.dtype, bs, two_d // 2)
+        build = {"vec": layouts.vllm_cpu_vec, "vec16": layouts.vllm_cpu_vec, "amx": layouts.vllm_cpu_amx}.get(isa)
+        if build is None:
+            raise UnsupportedError(f"vLLM CPU attention kernels {isa!r}: kvcanary describes the KV layouts of "
+                                   f"'vec', 'vec16' and 'amx', not this one; the canary is off on this worker")
+        self.canary = Canary(num_blocks * bs, build(tensors, bs, heads, two_d // 2), self.config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._step = None
         if self.canary is not None and isinstance(connector_metadata, CanaryMeta):
-            self._shielded("the before-forward check", self._before, connector_metadata)
+            self.shielded("the before-forward check", self._before, connector_metadata)
 
     def _before(self, meta: CanaryMeta) -> None:
         from vllm.forward_context import get_forward_context
@@ -183,22 +189,15 @@ class KvCanaryConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self._step is not None:
-            self._shielded("the after-forward check", self._after)
+            self.shielded("the after-forward check", self._after)
 
     def _after(self) -> None:
         assert self.canary is not None and self._step is not None
         self.canary.after_forward(self._step)
         self.forwards += 1
-        self._report([_named(v, self._rows) for v in self.canary.drain()])
+        self.report([_named(v, self._rows) for v in self.canary.drain()], rank=self.rank)
         if self.stamp_store:
             self._store()
-
-    def _report(self, found: list[Violation]) -> None:
-        if found:
-            self.violations += found
-            mode = "log" if self.config.mode == "quarantine" else self.config.mode
-            self.internal_errors += report(found, 0, mode, (), self.config.violations_log, engine="vllm",
-                                           rank=self.rank)
 
     def _store(self) -> None:
         """Save the stamps of each new prompt's whole blocks beside the KV another connector stores."""
@@ -220,7 +219,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
         """After the other connectors of a MultiConnector landed their KV: install the stamps that
         travelled with it and verify every landed byte (a torn or wrong load is reported here)."""
         if self._step is not None and any(r.landed_from >= 0 for r in self._meta.reqs):
-            self._shielded("the landing check", self._landed)
+            self.shielded("the landing check", self._landed)
 
     def _landed(self) -> None:
         from kvcanary import stamp_store
@@ -236,7 +235,7 @@ class KvCanaryConnector(KVConnectorBase_V1):
             tokens = self.book.window([r.req_id], [r.computed], r.computed)[0].tolist()
             stamps = stamp_store.load(self.stamp_store, tokens) if self.stamp_store else None
             self.canary.import_stamps(slots, None if stamps is None else stamps[r.landed_from : r.computed])
-            self._report([dataclasses.replace(v, request=r.req_id) for v in self.canary.drain()])
+            self.report([dataclasses.replace(v, request=r.req_id) for v in self.canary.drain()], rank=self.rank)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -245,96 +244,48 @@ class KvCanaryConnector(KVConnectorBase_V1):
         return None
 
     def stats(self) -> dict[str, int]:
-        out = self.canary.stats() if self.canary is not None else {}
+        out = Adapter.stats(self)
         out["forwards"] = self.forwards
-        out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
-        out["canary_us"] = int(self.seconds * 1e6)
         return out
 
-    def _shielded(self, where: str, fn: Any, *args: Any) -> None:
-        """The canary's work; a failure of its own never reaches vLLM outside ``raise`` mode: counted,
-        and every stamp it may have left stale becomes unknown. (vLLM's CPU worker binds its own
-        threads, so the canary runs on them as they are.)"""
-        t0 = time.perf_counter()
-        try:
-            fn(*args)
-        except KvCorruptionError:
-            raise
-        except Exception as e:
-            if self.config.mode == "raise":
-                raise
-            self.internal_errors += 1
-            log.error("kvcanary internal error in %s (counted, not raised)", where,
-                      exc_info=e if self.internal_errors <= 3 else None)
-            self._step = None
-            if self.canary is not None:
-                self.canary.forget_all()
-        finally:
-            self.seconds += time.perf_counter() - t0
+    def recover(self) -> None:
+        self._step = None
+        Adapter.recover(self)
 
 
-def cpu_layout(tensors: list[torch.Tensor], names: list[str], block_size: int, heads: int, head_dim: int) -> Any:
-    """Every layer's K and V bytes on vLLM's CPU backend (``vec``: per block and head, K column-major
-    ``[head_dim, block_size]``, then V row-major ``[block_size, head_dim]``)."""
-    from kvcanary.layout import ByteSource, KvLayout
+def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The CPU attention kernels vLLM picks for this cache (they fix its byte layout)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    sources = []
-    for name, t in zip(names, tensors):
-        es = t.element_size()
-        region = block_size * head_dim * es  # one head's K (or V) of one block
-        base = int(t.storage_offset()) * es
-        sources.append(ByteSource(name=f"{name}.v", tensor=t, page_size=block_size, num_pages=t.shape[0],
-                                  page_stride=t.stride(0) * es, token_stride=head_dim * es, rows=heads,
-                                  row_stride=2 * region, row_bytes=head_dim * es, offset=base + region))
-    return KvLayout(tuple(sources))
+    return str(_get_attn_isa(dtype, block_size, head_dim))
 
 
 def build_step(md: Any, reqs: list[ReqStep], book: TokenBook, block_size: int) -> tuple[Step, list[str]]:
     """The step of one forward from vLLM's CPU attention metadata and the scheduler's requests.
 
     Rows follow the metadata (the runner's batch order); each is matched to its request by the
-    slot of its first new token. Reads of slots the step itself writes start ``written_from``.
+    slot of its first new token, and a row whose request says otherwise is padding. Reads of
+    slots the step itself writes, and of KV another connector lands this step, start
+    ``written_from``.
     """
     qsl = md.query_start_loc.long()
     r = qsl.shape[0] - 1
-    q = qsl[1:] - qsl[:-1]
-    cached = md.seq_lens[:r].long() - q
     n = int(md.num_actual_tokens)
     slots = md.slot_mapping[:n].long()
+    cached = (md.seq_lens[:r].long() - (qsl[1:] - qsl[:-1])).tolist()
     by_slot = {x.first_slot: x for x in reqs}
-    firsts = slots[qsl[:-1].clamp(max=max(n - 1, 0))].tolist()
-    rows = [by_slot.get(s) for s in firsts]
+    rows = [by_slot.get(s) for s in slots[qsl[:-1].clamp(max=max(n - 1, 0))].tolist()]
+    ok = [x is not None and x.computed == c for x, c in zip(rows, cached)]
     rids = [x.req_id if x is not None else "" for x in rows]
-    valid = torch.tensor([x is not None and x.computed == c for x, c in zip(rows, cached.tolist())])
-    upto = (cached + q).tolist()
-    width = max(upto + [1])
-    exp = book.window([rid or "__none__" for rid in rids], [u if ok else 0 for u, ok in zip(upto, valid.tolist())],
-                      width)
-    row_of = torch.repeat_interleave(torch.arange(r), q, output_size=n)
-    pos = cached[row_of] + (torch.arange(n) - qsl[:-1][row_of])
-    table = md.block_table[:r]
-    step = Step(
-        cached_lens=cached, new_offsets=qsl, new_tokens=exp[row_of, pos.clamp(max=width - 1)],
-        new_positions=pos, new_slots=torch.where(valid[row_of], slots, -1), block_table=table,
-        block_size=block_size, row_valid=valid, expected_tokens=exp,
-    )
-    wf = written_from(step)
-    landed = torch.tensor([x.landed_from if x is not None and x.landed_from >= 0 else c
-                           for x, c in zip(rows, cached.tolist())], dtype=torch.int64)
-    step.written_from = torch.minimum(wf, landed)  # KV another connector lands is read after it landed
+    upto = [int(u) for u in md.seq_lens[:r].tolist()]
+    tokens = book.window([rid or "__none__" for rid in rids], [u if k else 0 for u, k in zip(upto, ok)],
+                         max(upto + [1]))
+    step = step_from_block_table(md.block_table, block_size, qsl, md.seq_lens, slots, tokens, torch.tensor(ok))
+    landed = torch.tensor([x.landed_from if x is not None and x.landed_from >= 0 else c for x, c in zip(rows, cached)],
+                          dtype=torch.int64)
+    assert step.written_from is not None
+    step.written_from = torch.minimum(step.written_from, landed)  # landed KV is read once it has landed
     return step, rids
-
-
-def written_from(step: Step) -> torch.Tensor:
-    """Per row, the first cached position whose slot this step writes (``cached_len`` if none)."""
-    cached = step.cached_lens.long()
-    width = max(1, int(cached.max()) if cached.numel() else 1)
-    pos = torch.arange(width)
-    rows = torch.arange(step.num_rows)
-    read = step.lookup(rows.repeat_interleave(width), pos.repeat(step.num_rows)).view(step.num_rows, width)
-    hit = torch.isin(read, step.new_slots[step.new_slots >= 0]) & (pos[None, :] < cached[:, None])
-    first = torch.where(hit, pos[None, :], width).min(dim=1).values
-    return torch.minimum(first, cached)
 
 
 def _block_slots(blocks: list[int], block_size: int) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""What every engine adapter shares: its canaries, the request token book, the shield around the
+canary's own work, the reporting of drained violations, and steps built from a block table.
+
+An adapter subclasses :class:`Adapter`, says which canaries it runs (:meth:`Adapter.canaries`),
+wraps each engine hook's canary work in :meth:`Adapter.shielded` and hands drained, request-named
+violations to :meth:`Adapter.report`. Engines that describe a forward by a block table, sequence
+lengths, query start offsets and a slot mapping (vLLM; a paged-attention decode path) get their
+:class:`~kvcanary.step.Step` from :func:`step_from_block_table`.
+
+Adapter contract, whatever the engine: a failure of the canary's own never reaches the engine
+outside ``raise`` mode (it is counted, and every stamp it may have left stale becomes unknown);
+blocks the engine frees or zeroes are released; stamps follow the engine's block copies and
+offloads; every event reaches the log, the JSONL violation log and the ``on_violation`` callbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable, ContextManager, Iterable
+
+import torch
+
+from kvcanary.canary import Canary, report
+from kvcanary.config import CanaryConfig
+from kvcanary.engines.token_book import TokenBook
+from kvcanary.errors import KvCorruptionError
+from kvcanary.step import Step
+from kvcanary.violations import Violation
+
+log = logging.getLogger("kvcanary")
+
+
+class Adapter:
+    """The engine-independent half of an engine adapter.
+
+    Attributes
+    ----------
+    config : the canary configuration
+    violations : every violation drained so far, request ids filled in
+    internal_errors : failures of the canary's own, counted (never raised outside ``raise`` mode)
+    seconds : host time spent in the canary's hooks
+    pending : ``raise`` mode: the error that stopped the engine, for the caller's thread
+    """
+
+    engine = "engine"  # the name events carry in the JSONL violation log
+
+    def __init__(self, config: CanaryConfig, on_violation: Callable[[list[Violation]], None] | None = None) -> None:
+        self.config = config
+        self.on_violation = on_violation
+        self.book = TokenBook()
+        self.violations: list[Violation] = []
+        self.internal_errors = 0
+        self.seconds = 0.0
+        self.pending: BaseException | None = None
+
+    def canaries(self) -> Iterable[Canary]:
+        """The adapter's canaries (one per layer group, worker or rank)."""
+        return ()
+
+    def work_context(self) -> ContextManager[Any]:
+        """Where the canary's work runs (the forward's stream, one thread...); override per engine."""
+        return contextlib.nullcontext()
+
+    def shielded(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the canary's work of one engine hook. A failure of the canary's own never reaches the
+        engine outside ``raise`` mode: it is counted, and :meth:`recover` makes every stamp it may
+        have left stale unknown, so it never turns into false reports."""
+        t0 = time.perf_counter()
+        try:
+            with self.work_context():
+                return fn(*args)
+        except KvCorruptionError:
+            raise  # raise mode only (report records it as pending first)
+        except Exception as e:
+            if self.config.mode == "raise":
+                self.pending = e
+                raise
+            self.internal_errors += 1
+            log.error("kvcanary internal error in %s (counted, not raised)", where,
+                      exc_info=e if self.internal_errors <= 3 else None)
+            self.recover()
+            return None
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def recover(self) -> None:
+        """After a failure of the canary's own: a fresh token book, every slot unknown."""
+        try:
+            self.book = TokenBook()
+            for c in self.canaries():
+                c.forget_all()
+        except Exception:  # nothing more can be done; the counters already say something failed
+            log.exception("kvcanary: recovery after an internal error failed")
+
+    def report(self, found: list[Violation], **context: Any) -> None:
+        """Record request-named violations, then send them to the JSONL log, ``on_violation`` and the
+        log (one line per event); ``raise`` mode raises :class:`KvCorruptionError` after recording."""
+        if not found:
+            return
+        self.violations += found
+        mode = "log" if self.config.mode == "quarantine" else self.config.mode
+        try:
+            self.internal_errors += report(found, 0, mode, [self.on_violation] if self.on_violation else [],
+                                           self.config.violations_log, engine=self.engine, **context)
+        except KvCorruptionError as e:
+            self.pending = e
+            raise
+
+    def raise_pending(self) -> None:
+        """Raise, in the calling thread, the error that stopped the engine in ``raise`` mode."""
+        err, self.pending = self.pending, None
+        if err is not None:
+            raise err
+
+    def stats(self) -> dict[str, int]:
+        """Every canary's counters summed, with the adapter's own."""
+        out: dict[str, int] = {}
+        for c in self.canaries():
+            for k, v in c.stats().items():
+                out[k] = out.get(k, 0) + v
+        out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
+        out["canary_us"] = int(self.seconds * 1e6)
+        return out
+
+
+def step_from_block_table(block_table: torch.Tensor, block_size: int, query_start: torch.Tensor,
+                          seq_lens: torch.Tensor, slot_mapping: torch.Tensor, tokens: torch.Tensor,
+                          valid: torch.Tensor) -> Step:
+    """A step from paged-attention metadata: ``R`` rows, ``T`` new tokens.
+
+    Parameters
+    ----------
+    block_table : int ``[>= R, max_blocks]`` each row's blocks
+    query_start : int ``[R + 1]`` cumulative new-token counts
+    seq_lens : int ``[>= R]`` each row's length after this step (cached + new)
+    slot_mapping : int ``[T]`` the slot each new token is written to
+    tokens : int ``[R, width]`` each row's known token stream, -1 where unknown (the new tokens'
+        ids are read from it)
+    valid : bool ``[R]`` rows the adapter matched to a request (others are padding)
+
+    Reads of slots the step itself writes start ``written_from`` (verified after the writes).
+    """
+    qsl = query_start.long()
+    r = qsl.shape[0] - 1
+    q = qsl[1:] - qsl[:-1]
+    cached = seq_lens[:r].long() - q
+    n = int(slot_mapping.shape[0])
+    row = torch.repeat_interleave(torch.arange(r, device=qsl.device), q, output_size=n)
+    pos = cached[row] + (torch.arange(n, device=qsl.device) - qsl[:-1][row])
+    step = Step(
+        cached_lens=cached, new_offsets=qsl, new_tokens=tokens[row, pos.clamp(max=tokens.shape[1] - 1)],
+        new_positions=pos, new_slots=torch.where(valid[row], slot_mapping.long(), -1),
+        block_table=block_table[:r], block_size=block_size, row_valid=valid, expected_tokens=tokens,
+    )
+    step.written_from = written_from(step)
+    return step
+
+
+def written_from(step: Step) -> torch.Tensor:
+    """Per row, the first cached position whose slot this step writes (``cached_len`` if none)."""
+    cached = step.cached_lens.long()
+    width = max(1, int(cached.max()) if cached.numel() else 1)
+    pos = torch.arange(width, device=cached.device)
+    rows = torch.arange(step.num_rows, device=cached.device)
+    read = step.lookup(rows.repeat_interleave(width), pos.repeat(step.num_rows)).view(step.num_rows, width)
+    hit = torch.isin(read, step.new_slots[step.new_slots >= 0]) & (pos[None, :] < cached[:, None])
+    first = torch.where(hit, pos[None, :], width).min(dim=1).values
+    return torch.minimum(first, cached)
