@@ -24,8 +24,8 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"  # the scripted engine's pool lives on the CPU
 
 from kvcanary import Canary, CanaryConfig  # noqa: E402
-from kvcanary.engines import workload  # noqa: E402
-from kvcanary.engines.scripted import ScriptedEngine  # noqa: E402
+from kvcanary.sim import workload  # noqa: E402
+from kvcanary.sim.engine import ScriptedEngine  # noqa: E402
 from kvcanary.faults.runner import random_spec  # noqa: E402
 
 

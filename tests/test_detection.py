@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcanary import Canary, CanaryConfig, Check, Site
-from kvcanary.engines.scripted import EngineSpec, ScriptedEngine
+from kvcanary.sim.engine import EngineSpec, ScriptedEngine
 
 
 def engine(table="block", layout="paged", **kw):

@@ -5,8 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcanary import Canary, CanaryConfig
-from kvcanary.engines import workload
-from kvcanary.engines.scripted import EngineSpec, ScriptedEngine
+from kvcanary.sim import workload
+from kvcanary.sim.engine import EngineSpec, ScriptedEngine
 
 
 def run_clean(spec: EngineSpec, wl: workload.Workload, budget=None):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvcanary import ByteSource, Canary, CanaryConfig, KvLayout, UnsupportedError, checks
-from kvcanary.engines import workload
-from kvcanary.engines.scripted import EngineSpec, ScriptedEngine
+from kvcanary.sim import workload
+from kvcanary.sim.engine import EngineSpec, ScriptedEngine
 from kvcanary.kernels import stamp as kstamp
 from kvcanary.kernels import verify as kverify
 from kvcanary.kernels._common import source_table

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
-from kvcanary.engines import workload
-from kvcanary.engines.scripted import EngineSpec, ScriptedEngine
+from kvcanary.sim import workload
+from kvcanary.sim.engine import EngineSpec, ScriptedEngine
 from kvcanary.faults.catalog import CATALOG, FaultClass, Outcome, Point
 from kvcanary.faults.scripted import INJECTORS
 from kvcanary.violations import Check

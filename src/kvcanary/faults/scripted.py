@@ -1,6 +1,6 @@
 """Injectors for every detectable fault class, on the scripted paged engine.
 
-An injector acts on a running :class:`~kvcanary.engines.scripted.ScriptedEngine` through its
+An injector acts on a running :class:`~kvcanary.sim.engine.ScriptedEngine` through its
 hooks or state, once, and returns an :class:`Injection` describing what it corrupted (or ``None``
 when the engine has no suitable target yet; the runner then tries again a step later). The
 injection's ``landed`` flag turns true when the corruption has actually happened, which for some
@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvcanary.engines.scripted import Request, ScriptedEngine
+from kvcanary.sim.engine import Request, ScriptedEngine
 from kvcanary.step import Step
 
 

@@ -9,7 +9,7 @@ import torch
 from kvcanary.layout import ByteSource, KvLayout
 
 if TYPE_CHECKING:
-    from kvcanary.engines.scripted import EngineSpec
+    from kvcanary.sim.engine import EngineSpec
 
 
 def make_kv(spec: "EngineSpec") -> tuple[list[list[torch.Tensor]], KvLayout]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvcanary.engines.scripted import ScriptedEngine
+from kvcanary.sim.engine import ScriptedEngine
 
 
 @dataclass(frozen=True)

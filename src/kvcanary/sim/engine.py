@@ -15,8 +15,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from kvcanary.engines.pool import BlockPool
-from kvcanary.engines.scripted_kv import make_kv
+from kvcanary.sim.pool import BlockPool
+from kvcanary.sim.kv import make_kv
 from kvcanary.step import Step
 
 Layout = Literal["flat", "paged", "packed", "head_major", "mla"]
