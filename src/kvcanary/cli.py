@@ -29,8 +29,8 @@ EXIT_CODES = """exit status:
 
 def _scripted_run(args: argparse.Namespace) -> int:
     from kvcanary.canary import Canary
-    from kvcanary.engines import workload
-    from kvcanary.engines.scripted import EngineSpec, ScriptedEngine
+    from kvcanary.sim import workload
+    from kvcanary.sim.engine import EngineSpec, ScriptedEngine
 
     spec = EngineSpec(num_blocks=args.blocks, block_size=args.block_size, num_layers=args.layers,
                       layout=args.layout, table=args.table, seed=args.seed)
