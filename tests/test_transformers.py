@@ -165,12 +165,42 @@ def test_version_check():
         check_version("4.57.1")
 
 
-def test_decode_fast_path_is_refused_loudly(llama):
-    # block tables replace read/write indices on that path (flash attention on CUDA); reading stale
-    # indices would check the wrong slots, so the step builder refuses it by name
-    prot = protect(llama, CanaryConfig(mode="log"))
-    with pytest.raises(UnsupportedError, match="max_blocks_per_request=0"):
-        prot.build_steps(None, {"block_table": torch.zeros(1, 1, 4, dtype=torch.int32)})
+def test_decode_fast_path_steps_match_the_read_index_steps(llama):
+    # on the decode fast path flash attention reads the cache through block tables; CPU builds
+    # cannot run it, so every decode forward of a real run is also described as the fast path
+    # would (its block table filled by the cache itself) and both steps must check alike
+    from kvcanary import checks
+    from kvcanary.engines.transformers_hooks import host_io
+    from kvcanary.violations import NUM_COUNTERS
+
+    seen = {"decodes": 0, "reported": 0}
+
+    def compare(prot, runner, batch):
+        reqs = list(host_io(runner.inputs_and_outputs).requests_in_batch)
+        if not reqs or any(fs.query_length != 1 for fs in reqs):
+            return
+        allocs = runner.cache.cache_allocators
+        width = 1 + max(len(a.block_table.get(fs.state.request_id, [])) for a in allocs.values() for fs in reqs)
+        table = torch.full((len(allocs), len(reqs), width), -1, dtype=torch.int32)
+        for i, fs in enumerate(reqs):
+            runner.cache.fill_block_table(fs.state.request_id, fs.state.position_offset - 1, 1, table[:, i])
+        by_index = prot.build_steps(runner, batch, reqs)
+        fast = prot.build_steps(runner, {**batch, "block_table": table}, reqs)
+        for name, g in prot.groups.items():
+            stamps = g.canary.stamps.clone()
+            stamps[int(fast[name].new_slots[0]) - 1, checks.POSITION] += 7  # a stale slot both must report
+            out = []
+            for step in (by_index[name], fast[name]):
+                st, cnt = stamps.clone(), torch.zeros(NUM_COUNTERS, dtype=torch.int64)
+                rows = checks.verify(st, g.canary.layout, step, cnt, torch.zeros(1, dtype=torch.int64), None, 0)
+                rows = torch.cat([rows, checks.stamp(st, g.canary.layout, step, cnt, 0)])
+                out.append((st, cnt, sorted(map(tuple, rows.tolist()))))
+            assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1]) and out[0][2] == out[1][2]
+            seen["reported"] += len(out[0][2])
+        seen["decodes"] += 1
+
+    out, guard = generate(llama, prompts(), CanaryConfig(mode="raise"), hooks=[compare])
+    assert seen["decodes"] > 5 and seen["reported"] > 0 and guard.stats()["violations"] == 0
 
 
 def test_token_book_streams_and_recycles_rows():

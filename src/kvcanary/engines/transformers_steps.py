@@ -12,7 +12,6 @@ from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines import transformers_hooks as cb_hooks
 from kvcanary.engines.token_book import TokenBook
-from kvcanary.errors import UnsupportedError
 from kvcanary.layout import ByteSource, KvLayout
 from kvcanary.step import Step
 
@@ -74,10 +73,6 @@ def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, b
     requests' host-side lengths and the index tensors' own sizes, so no device value is read on
     the host; host-built tensors travel through pinned memory.
     """
-    if batch.get("block_table") is not None:
-        raise UnsupportedError(
-            "continuous batching's decode fast path (block tables for flash attention's kv-cache kernel) is "
-            "not covered; run with ContinuousBatchingConfig(max_blocks_per_request=0)")
     if reqs is None:
         reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
     r = len(reqs)
@@ -95,6 +90,8 @@ def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, b
         exp_host = book.streams([fs.state for fs in reqs], (past_host + q_host).tolist(), width)
     past, wrow, wpos, exp_tok = cb_hooks.to_device(dev, past_host, wrow_host, wpos_host, exp_host)
     exp_new = exp_tok[wrow, wpos] if exp_tok is not None else None
+    if batch.get("block_table") is not None:
+        return fast_path_steps(groups, batch, past, exp_tok, exp_new, r)
     cu_q = batch["cu_seq_lens_q"][: r + 1].long()
     q = cu_q[1:] - cu_q[:-1]
     tokens = batch["input_ids"][0, :total]
@@ -122,6 +119,33 @@ def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, b
         steps[name] = Step(
             slot_table=table, cached_lens=past, read_starts=past - ncached, new_offsets=cu_q,
             new_tokens=tokens, new_positions=positions, new_slots=wslot,
+            expected_tokens=exp_tok, expected_new_tokens=exp_new,
+        )
+    return steps
+
+
+def fast_path_steps(groups: dict[str, Group], batch: dict, past: torch.Tensor, exp_tok: torch.Tensor | None,
+                    exp_new: torch.Tensor | None, r: int) -> dict[str, Step]:
+    """The steps of a decode fast-path forward (one new token per request; flash attention reads
+    and writes the cache through ``batch["block_table"]``, int32 ``[groups, >= R, max_blocks]`` of
+    page indices, -1 where unused; the read and write indices are stale there and not used).
+
+    Each group's step is a block-table step over its compact slots: the block of a page index is
+    ``index // (block_physical_stride // tokens_per_page)``, and the new token of row ``r`` goes to
+    position ``past[r]`` of its table.
+    """
+    tokens = batch["input_ids"][0, :r]
+    positions = batch["position_ids"][0, :r]
+    rows = torch.arange(r, device=past.device)
+    steps = {}
+    for name, g in groups.items():
+        pages = batch["block_table"][g.index][:r].long()
+        blocks = torch.where(pages >= 0, torch.div(pages, g.stride // g.tpp, rounding_mode="floor"), -1)
+        col = torch.div(past, g.tpp, rounding_mode="floor").clamp(max=blocks.shape[1] - 1)
+        slot = blocks[rows, col] * g.tpp + past % g.tpp
+        steps[name] = Step(
+            block_table=blocks, block_size=g.tpp, cached_lens=past, new_offsets=torch.arange(r + 1, device=past.device),
+            new_tokens=tokens, new_positions=positions, new_slots=torch.where(blocks[rows, col] >= 0, slot, -1),
             expected_tokens=exp_tok, expected_new_tokens=exp_new,
         )
     return steps
