@@ -87,3 +87,16 @@ def test_multiprocess_engine_through_the_flag_alone_logs_to_the_jsonl_file(tiny_
     events = eventlog.read(str(tmp_path / "fault.jsonl"))
     assert events and all(e["engine"] == "vllm" and e["request"] for e in events)
     assert {"CONTENT"} <= {c for e in events for c in e["checks"]} and events[0]["pid"] != os.getpid()
+
+
+def test_tensor_parallel_2_gives_each_rank_its_own_canary(tiny_llama, tmp_path):
+    from kvcanary import eventlog
+
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "KVCANARY_VIOLATIONS_LOG": str(tmp_path / "tp.jsonl"), "KVCANARY_TEST_FAULT": "flip_v",
+           "PYTHONPATH": os.path.join(HERE, "fault_plugin")}
+    run = engine(tiny_llama, canary=True, max_seqs=4, tensor_parallel=2, env=env)
+    assert run["tokens"]
+    events = eventlog.read(str(tmp_path / "tp.jsonl"))
+    # each rank holds half the KV heads and injects its own flip: both ranks' canaries report
+    assert {e["rank"] for e in events} == {0, 1} and len({e["pid"] for e in events}) == 2

@@ -1,0 +1,273 @@
+"""Run a tiny vLLM CPU engine once per process, and the vLLM rows of ``kvcanary selftest``.
+
+:func:`run` runs vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager) on a local model,
+optionally under the canary (the ``KvCanaryConnector`` flag) and with one fault of
+:mod:`kvcanary.faults.vllm` injected in the worker. :func:`run_in_subprocess` runs it in a fresh
+interpreter::
+
+    python -m kvcanary.faults.vllm_runner '{"model": DIR, "canary": true, "fault": "flip_v", ...}'
+
+which prints one line, ``RESULT {json}``. A process per run: vLLM keeps per-process globals (the KV
+connector agent) that a second engine in the same process would inherit. :func:`selftest` runs every
+fault of :data:`FAULTS` once per seed on a tiny random Llama and says whether, how and how fast the
+canary caught it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvcanary.faults.catalog import BY_NAME
+from kvcanary.faults.runner import FaultResult
+from kvcanary.violations import Check
+
+RESULT = "RESULT "
+# set (unless already set) before vLLM is imported: one in-process engine, a 1 GiB KV space
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+# the selftest's runs: in-process engines (the canary and the fault in reach), the canary in log mode
+# with every read byte verified, so a flipped byte is found on its next read
+SELFTEST_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVCANARY_MODE": "log", "KVCANARY_CONTENT": "all",
+                "KVCANARY_CONTENT_BUDGET_BYTES": "none"}
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault of :mod:`kvcanary.faults.vllm` as the selftest runs it."""
+
+    name: str  # a key of kvcanary.faults.vllm.INJECTORS
+    reproduces: str  # the catalog class it is an instance of ("" when none is)
+    checks: Check  # any of these firing at or after the injection counts as its detection
+    max_forwards: int  # forwards within which it must be detected (1: the forward it lands in)
+
+    @property
+    def zoo(self) -> tuple[str, ...]:
+        return BY_NAME[self.reproduces].zoo if self.reproduces else ()
+
+
+def _spec(name: str, reproduces: str, also: Check = Check(0)) -> FaultSpec:
+    fc = BY_NAME[reproduces]
+    return FaultSpec(name, reproduces, fc.checks | also, fc.max_forwards)
+
+
+FAULTS: tuple[FaultSpec, ...] = (
+    _spec("flip_v", "bit_flip"),
+    _spec("redirect", "table_redirect"),
+    # the writer's row no longer starts at the slot the scheduler sent, so its write lands unstamped:
+    # its readers see changed bytes as well as foreign stamps
+    _spec("reuse", "slot_reused_while_referenced", also=Check.CONTENT),
+    FaultSpec("zero", "", Check.CONTENT, 1),  # a live block zeroed (vLLM zeroes blocks it believes free)
+    _spec("flip_k", "bit_flip"),
+)
+
+
+def save_tiny_llama(path: str, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
+                    intermediate: int | None = None, vocab: int = 512, seed: int = 0) -> str:
+    """Save a Llama with random weights from ``seed`` to ``path`` (nothing is downloaded); returns ``path``.
+
+    The defaults are the vLLM tests' model: 2 layers, hidden 128, 4 heads of 32, 2 KV heads, vocab 512.
+    """
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   max_position_embeddings=1024)
+    bar = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar on stderr
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    finally:
+        if bar:
+            transformers.utils.logging.enable_progress_bar()
+    return path
+
+
+def prompts(n: int, seed: int, prefix: int = 64, vocab: int = 512) -> list[list[int]]:
+    """``n`` prompts: one of 3 random ``prefix``-token prefixes plus a random tail of 3 to 30 tokens."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(prefix)] for _ in range(3)]
+    return [rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(3, 30))] for _ in range(n)]
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one engine in this process (once per process) and return what it did.
+
+    ``cfg`` keys: ``model`` (a local folder, required); ``canary`` (turn the connector on);
+    ``kv_transfer_config`` (instead of the plain connector flag); ``fault``, ``fault_at`` (a fault of
+    :mod:`kvcanary.faults.vllm`, injected at that forward or the first later one with a target);
+    ``seed`` (prompts and fault); ``requests``, ``prefix``, ``max_tokens``; ``warmup`` (requests of a
+    first, untimed generate on other prompts; the stats returned leave it out); engine sizes
+    ``num_blocks``, ``max_batched``, ``max_seqs``, ``max_model_len``, ``dtype``, ``tensor_parallel``.
+
+    Returns ``tokens`` (request id -> generated ids), ``preemptions``, ``generate_s`` (the timed
+    generate call), ``tokens_generated``, ``threads`` (torch's intra-op threads after the run) and,
+    under the canary of an in-process engine, ``stats`` and ``violations`` (the first 200, with
+    ``text``), and the injected fault's ``fault`` detail (``step``: the canary step it landed in). A
+    multiprocess engine (``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment) keeps its canaries and
+    faults in its worker processes: read them from ``KVCANARY_VIOLATIONS_LOG``.
+    """
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvcanary.faults import vllm as faults_vllm
+
+    kvc = None
+    if cfg.get("canary"):
+        kvc = cfg.get("kv_transfer_config") or {"kv_connector": "KvCanaryConnector", "kv_role": "kv_both"}
+    preempted = _count_preemptions()
+    seed = cfg.get("seed", 0)
+    fault = faults_vllm.install(cfg["fault"], cfg.get("fault_at", 3), seed) if cfg.get("fault") else None
+    llm = _engine(cfg, kvc)
+    sp = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0, ignore_eos=True)
+
+    def generate(n: int, seed: int) -> tuple[list[Any], float]:
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(n, seed, cfg.get("prefix", 64))]
+        t0 = time.perf_counter()
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        return outs, time.perf_counter() - t0
+
+    if cfg.get("warmup"):
+        generate(cfg["warmup"], seed + 1000)
+    canary = _canary() if kvc is not None else None
+    before = canary.stats() if canary is not None else {}
+    outs, wall = generate(cfg.get("requests", 12), seed)
+    out: dict[str, Any] = {"tokens": {o.request_id: list(o.outputs[0].token_ids) for o in outs},
+                           "preemptions": preempted[0], "generate_s": wall,
+                           "tokens_generated": sum(len(o.outputs[0].token_ids) for o in outs),
+                           "threads": torch.get_num_threads()}
+    if canary is not None:
+        out["stats"] = {k: v - before.get(k, 0) for k, v in canary.stats().items()}
+        out["violations"] = [{**v.to_dict(), "text": v.describe()} for v in canary.violations[:200]]
+    if fault is not None and canary is not None:
+        out["fault"] = fault.detail
+    return out
+
+
+def _engine(cfg: dict[str, Any], kv_transfer_config: dict[str, Any] | None) -> Any:
+    """The ``vllm.LLM`` of ``cfg``: eager, block size 32, prefix caching, greedy-reproducible (seed 0)."""
+    from vllm import LLM
+
+    return LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg.get("dtype", "float32"),
+               block_size=32, enable_prefix_caching=True, num_gpu_blocks_override=cfg.get("num_blocks", 64),
+               max_num_batched_tokens=cfg.get("max_batched", 2048), max_num_seqs=cfg.get("max_seqs", 16),
+               max_model_len=cfg.get("max_model_len", 512), tensor_parallel_size=cfg.get("tensor_parallel", 1),
+               kv_transfer_config=kv_transfer_config, seed=0)
+
+
+def _count_preemptions() -> list[int]:
+    """Count the scheduler's preemptions of this process's engine (a one-element list, updated live)."""
+    from vllm.v1.core.sched import scheduler
+
+    preempted = [0]
+    orig = scheduler.Scheduler._preempt_request
+
+    def count(self: Any, *a: Any, **k: Any) -> Any:
+        preempted[0] += 1
+        return orig(self, *a, **k)
+
+    scheduler.Scheduler._preempt_request = count
+    return preempted
+
+
+def _canary() -> Any:
+    """This process's KvCanaryConnector (also when listed under a MultiConnector); None when the engine's
+    worker is another process."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    conn = get_kv_transfer_group()
+    return next(c for c in getattr(conn, "_connectors", [conn]) if hasattr(c, "violations"))
+
+
+def run_in_subprocess(cfg: dict[str, Any], env: dict[str, str | None] | None = None,
+                      timeout: float = 600) -> dict[str, Any]:
+    """:func:`run` in a fresh interpreter (this one's), with ``env`` over this environment (``None``
+    removes a variable). Raises ``RuntimeError`` with the end of its stderr when it fails."""
+    full = dict(os.environ)
+    for k, v in (env or {}).items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = v
+    try:
+        p = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_runner", json.dumps(cfg)],
+                           capture_output=True, text=True, timeout=timeout, env=full)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the vLLM engine run did not finish within {timeout:.0f} s") from None
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith(RESULT)), None)
+    if p.returncode != 0 or line is None:
+        raise RuntimeError(f"the vLLM engine run failed (exit {p.returncode}): {p.stderr[-3000:]}")
+    return dict(json.loads(line[len(RESULT):]))
+
+
+def run_fault(spec: FaultSpec, seed: int, model: str) -> FaultResult:
+    """Inject ``spec`` once into a tiny vLLM engine under the canary and judge the detection."""
+    cfg = {"model": model, "canary": True, "fault": spec.name, "seed": seed, "max_seqs": 4}
+    try:
+        out = run_in_subprocess(cfg, env={**SELFTEST_ENV, "KVCANARY_VIOLATIONS_LOG": None})
+    except RuntimeError as e:
+        return _result(spec, seed, {"error": str(e)})
+    detail = out.get("fault") or {}
+    at = detail.get("step")
+    if at is None:
+        return _result(spec, seed, {"error": "no target for the fault appeared"})
+    errors = out["stats"]["internal_errors"]
+    found = out["violations"]
+    early = [v for v in found if v["step"] < at]
+    if early or errors:
+        why = {"false_positive": early[0]["text"]} if early else {"internal_errors": errors}
+        return _result(spec, seed, {**detail, **why}, at=at)
+    want = {c.name for c in Check if c in spec.checks}
+    hits = [v for v in found if want & set(v["checks"])]
+    if not hits:
+        return _result(spec, seed, detail, at=at)
+    first = hits[0]
+    fired = sorted({c for v in hits if v["step"] == first["step"] for c in v["checks"]})
+    # a corruption present when forward k's checks run is found by forward k: 1 forward
+    return _result(spec, seed, detail, fired, first["step"] - at + 1, first["text"], at)
+
+
+def _result(spec: FaultSpec, seed: int, detail: dict[str, Any], fired: list[str] | None = None,
+            forwards: int | None = None, first: str | None = None, at: int | None = None) -> FaultResult:
+    ok = forwards is not None and forwards <= spec.max_forwards
+    return FaultResult(spec.name, "vllm", seed, list(spec.zoo), "detect", forwards is not None, fired or [], forwards,
+                       spec.max_forwards, ok, detail, first, at)
+
+
+def selftest(seeds: int, progress: Callable[[str], None] = lambda s: None) -> list[tuple[FaultSpec, list[FaultResult]]]:
+    """Every fault of :data:`FAULTS` run once per seed (a vLLM process each) on a tiny random Llama."""
+    with tempfile.TemporaryDirectory(prefix="kvcanary-vllm-") as d:
+        progress("  saving a tiny random Llama for vLLM ...")
+        model = save_tiny_llama(d)
+        out = []
+        for spec in FAULTS:
+            results = []
+            for seed in range(seeds):
+                progress(f"  {spec.name} on vllm, seed {seed} ...")
+                results.append(run_fault(spec, seed, model))
+            out.append((spec, results))
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvcanary.faults.vllm_runner CFG_JSON``: :func:`run`, then one ``RESULT`` line."""
+    args = sys.argv[1:] if argv is None else argv
+    print(RESULT + json.dumps(run(json.loads(args[0]))), flush=True)
+
+
+if __name__ == "__main__":  # vLLM starts its helper processes by spawn
+    main()
