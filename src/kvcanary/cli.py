@@ -1,7 +1,8 @@
 """``kvcanary`` command line: a thin layer over the library.
 
 Commands: ``demo`` (the main job: continuous batching with the canary on) and ``selftest`` (every
-fault class injected, the detection matrix printed, plus a clean soak).
+fault class injected, into vLLM too where it is installed, the detection matrix printed, plus a
+clean soak).
 Exit codes: 0 success; 1 a violation where none was expected, a fault not detected within its
 deadline, or outputs that changed under the canary; 2 bad usage or a missing optional dependency.
 
@@ -227,52 +228,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _selftest(args: argparse.Namespace) -> int:
-    from kvcanary.faults import runner
-    from kvcanary.faults.catalog import CATALOG, Outcome
-
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    engines = ["scripted"]
-    if not args.no_transformers:
-        try:
-            import transformers  # noqa: F401
+    engines = _selftest_engines(args, say)
+    rows = _catalog_rows(engines, args.seeds, say)
+    if "vllm" in engines:  # vLLM's faults are its own injectors: their rows follow the catalog's
+        from kvcanary.faults import vllm_runner
 
-            engines.append("transformers")
-        except ImportError:
-            say("transformers is not installed: its rows are skipped (pip install 'kvcanary[transformers]')")
-    model = None
-    rows: list[dict[str, object]] = []
-    ok = True
-    for fc in CATALOG:
-        if fc.outcome == Outcome.MISS:
-            rows.append({"fault": fc.name, "zoo": list(fc.zoo), "expected": fc.outcome.value, "engine": "-",
-                         "runs": 0, "detected": 0, "checks_fired": [], "forwards_max": None, "status": "miss",
-                         "why": fc.why_missed})
-            continue
-        for eng in engines:
-            if eng == "transformers" and fc.name not in runner.CB_FAULTS:
-                continue
-            results = []
-            for seed in range(args.seeds):
-                say(f"  {fc.name} on {eng}, seed {seed} ...")
-                if eng == "scripted":
-                    results.append(runner.run_scripted(fc, seed, table=("block", "token")[seed % 2]))
-                else:
-                    if model is None:
-                        from kvcanary.engines.transformers import tiny_model
-
-                        model = tiny_model(seed=0, layers=2)
-                    results.append(runner.run_transformers(fc, seed, model))
-            good = all(r.ok for r in results)
-            ok = ok and good
-            fwd = [r.forwards_to_detect for r in results if r.forwards_to_detect is not None]
-            rows.append({
-                "fault": fc.name, "zoo": list(fc.zoo), "expected": fc.outcome.value, "engine": eng,
-                "runs": len(results), "detected": sum(r.detected for r in results),
-                "checks_fired": sorted({c for r in results for c in r.checks_fired}),
-                "forwards_max": max(fwd) if fwd else None, "deadline": fc.max_forwards,
-                "status": "ok" if good else "FAIL",
-                "failures": [r.to_dict() for r in results if not r.ok],
-            })
+        for spec, results in vllm_runner.selftest(args.seeds, say):
+            rows.append({**_row(spec.name, spec.zoo, "detect", "vllm", spec.max_forwards, results),
+                         "reproduces": spec.reproduces or None})
+    ok = all(r["status"] != "FAIL" for r in rows)
     soak = _soak(args.soak, say)
     ok = ok and soak["false_positives"] == 0
     if args.json:
@@ -295,6 +260,83 @@ def _selftest(args: argparse.Namespace) -> int:
         print("\nclean soak: not run (--soak 0)")
     print("selftest " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
+
+
+def _selftest_engines(args: argparse.Namespace, say: Callable[..., None]) -> list[str]:
+    """The engines the selftest runs: the scripted one; transformers and vLLM where they are installed
+    (transformers in the tested range) and not turned off."""
+    engines = ["scripted"]
+    if not args.no_transformers:
+        try:
+            import transformers
+
+            from kvcanary.engines.transformers import check_version
+            from kvcanary.errors import UnsupportedError
+
+            try:
+                check_version(transformers.__version__)
+                engines.append("transformers")
+            except UnsupportedError as e:
+                say(f"{e}: its rows are skipped")
+        except ImportError:
+            say("transformers is not installed: its rows are skipped (pip install 'kvcanary[transformers]')")
+    if not args.no_vllm:
+        try:
+            import vllm  # noqa: F401
+
+            engines.append("vllm")
+        except ImportError:
+            say("vLLM is not installed: its rows are skipped (scripts/setup-vllm builds .venv-vllm with it)")
+        except Exception as e:  # installed but broken: the rows could prove nothing
+            say(f"vLLM does not import ({type(e).__name__}: {e}): its rows are skipped")
+    return engines
+
+
+def _catalog_rows(engines: list[str], seeds: int, say: Callable[..., None]) -> list[dict[str, object]]:
+    """The catalog's rows: each fault class on the scripted engine, and on transformers where it applies;
+    documented misses as one row each."""
+    from kvcanary.faults import runner
+    from kvcanary.faults.catalog import CATALOG, Outcome
+
+    model = None
+    rows: list[dict[str, object]] = []
+    for fc in CATALOG:
+        if fc.outcome == Outcome.MISS:
+            rows.append({"fault": fc.name, "zoo": list(fc.zoo), "expected": fc.outcome.value, "engine": "-",
+                         "runs": 0, "detected": 0, "checks_fired": [], "forwards_max": None, "status": "miss",
+                         "why": fc.why_missed})
+            continue
+        for eng in engines:
+            if eng == "vllm" or (eng == "transformers" and fc.name not in runner.CB_FAULTS):
+                continue
+            results = []
+            for seed in range(seeds):
+                say(f"  {fc.name} on {eng}, seed {seed} ...")
+                if eng == "scripted":
+                    results.append(runner.run_scripted(fc, seed, table=("block", "token")[seed % 2]))
+                else:
+                    if model is None:
+                        from kvcanary.engines.transformers import tiny_model
+
+                        model = tiny_model(seed=0, layers=2)
+                    results.append(runner.run_transformers(fc, seed, model))
+            rows.append(_row(fc.name, fc.zoo, fc.outcome.value, eng, fc.max_forwards, results))
+    return rows
+
+
+def _row(fault: str, zoo: Sequence[str], expected: str, engine: str, deadline: int,
+         results: list[Any]) -> dict[str, object]:
+    """One matrix row: a fault's runs (``FaultResult``) on one engine."""
+    fwd = [r.forwards_to_detect for r in results if r.forwards_to_detect is not None]
+    good = all(r.ok for r in results)
+    return {
+        "fault": fault, "zoo": list(zoo), "expected": expected, "engine": engine,
+        "runs": len(results), "detected": sum(r.detected for r in results),
+        "checks_fired": sorted({c for r in results for c in r.checks_fired}),
+        "forwards_max": max(fwd) if fwd else None, "deadline": deadline,
+        "status": "ok" if good else "FAIL",
+        "failures": [r.to_dict() for r in results if not r.ok],
+    }
 
 
 def _soak(steps: int, say: Callable[..., None]) -> dict[str, Any]:
@@ -355,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seeds", type=_count(1), default=3, help="runs per fault class and engine")
     t.add_argument("--soak", type=_count(0), default=500,
                    help="randomized clean steps that must report no violation (0: no soak)")
-    t.add_argument("--no-transformers", action="store_true", help="scripted engine only")
+    t.add_argument("--no-transformers", action="store_true", help="no transformers rows")
+    t.add_argument("--no-vllm", action="store_true", help="no vLLM rows (they run where vLLM is installed)")
     t.add_argument("--json", action="store_true", help="print the matrix as one JSON object")
     t.set_defaults(fn=_selftest)
     return p

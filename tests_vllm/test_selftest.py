@@ -1,0 +1,51 @@
+"""``kvcanary selftest`` where vLLM is installed: a row per vLLM fault (each run in its own vLLM
+process on a tiny random Llama), detected within its deadline by the checks that fit it; ``--no-vllm``
+leaves the rows out."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SELFTEST = ["selftest", "--no-transformers", "--seeds", "1", "--soak", "0", "--json"]
+# fault -> the checks that may fire for it
+VLLM_FAULTS = {
+    "flip_v": {"CONTENT"},
+    "redirect": {"POSITION", "LINK", "TOKEN", "EMPTY"},
+    "reuse": {"POSITION", "LINK", "TOKEN", "EMPTY", "CONTENT"},
+    "zero": {"CONTENT"},
+    "flip_k": {"CONTENT"},
+}
+
+
+def selftest(*extra):
+    p = subprocess.run([sys.executable, "-m", "kvcanary", *SELFTEST, *extra], capture_output=True, text=True,
+                       timeout=1800)
+    assert p.returncode in (0, 1) and p.stdout.strip(), p.stderr[-4000:]
+    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return selftest()
+
+
+def test_selftest_has_a_vllm_row_per_fault_and_passes(matrix):
+    code, out = matrix
+    assert [r["fault"] for r in out["matrix"] if r["engine"] == "vllm"] == list(VLLM_FAULTS)
+    assert code == 0 and out["ok"], [r for r in out["matrix"] if r["status"] == "FAIL"]
+
+
+@pytest.mark.parametrize("fault", list(VLLM_FAULTS))
+def test_selftest_vllm_fault_is_detected_in_time(matrix, fault):
+    row = next(r for r in matrix[1]["matrix"] if r["engine"] == "vllm" and r["fault"] == fault)
+    assert row["status"] == "ok" and row["runs"] == row["detected"] == 1, row["failures"]
+    assert row["checks_fired"] and set(row["checks_fired"]) <= VLLM_FAULTS[fault], row
+    assert 1 <= row["forwards_max"] <= row["deadline"], row
+
+
+def test_selftest_no_vllm_leaves_the_vllm_rows_out():
+    code, out = selftest("--no-vllm")
+    assert code == 0 and out["ok"]
+    assert not [r for r in out["matrix"] if r["engine"] == "vllm"]
