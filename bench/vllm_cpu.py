@@ -1,0 +1,134 @@
+"""Generation throughput of vLLM's CPU build with the canary off and on, in the same run.
+
+Modes: ``off`` (no connector); ``on`` (the connector, default content budget:
+KVCANARY_CONTENT_BUDGET_BYTES unset); ``on_full`` (every read byte verified:
+KVCANARY_CONTENT_BUDGET_BYTES=none); ``on_meta`` (metadata only: KVCANARY_CONTENT=none). Every round
+runs each mode once in that order, so off and on runs alternate over ``--rounds`` rounds; each run is
+a fresh vLLM engine in its own process (:func:`kvcanary.faults.vllm_runner.run_in_subprocess`: vLLM
+keeps per-process globals). Only the generate call is timed: engine start and a 4-request warm-up
+generate on other prompts are not (the canary's counters leave the warm-up out too).
+
+Threads: the runs are in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0), where vLLM's own binding
+(VLLM_CPU_OMP_THREADS_BIND, applied by its multiprocess executor to the worker it spawns) does not
+apply and its CPU worker turns ``torch.set_num_threads`` into a no-op, so torch keeps the thread count
+it started with. Each run gets ``OMP_NUM_THREADS=--threads``, and with ``--bind`` also
+``OMP_PROC_BIND=true OMP_PLACES=cores`` (one OpenMP thread per core); ``threads`` in each line is what
+torch reported after the run. The canary runs on the engine's thread, inside the connector's hooks.
+
+Workload: a random Llama saved to a temporary folder (``--layers`` 4, ``--hidden`` 256, 4 heads of 64,
+2 KV heads, MLP 3 x hidden, vocab 512, fp32); ``--requests`` 32 prompts on 3 shared 64-token prefixes
+plus 3 to 30 own tokens, greedy, ``--max-tokens`` 96 new tokens each, at most 16 running, block size
+32, prefix caching on. One JSON line per round and mode, then a summary table (medians; ``x_off`` is
+the mode's median wall time over off's, from this run). Exit status 1 if any run reported a
+violation or an internal error, or generated other tokens than the first run.
+
+    .venv-vllm/bin/python bench/vllm_cpu.py [--rounds 3] [--threads 1] [--bind]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+from kvcanary.faults.vllm_runner import run_in_subprocess, save_tiny_llama
+
+# mode -> KVCANARY_* variables of its run (None: no canary); every other KVCANARY_* variable is unset
+MODES: dict[str, dict[str, str] | None] = {
+    "off": None,
+    "on": {},
+    "on_full": {"KVCANARY_CONTENT_BUDGET_BYTES": "none"},
+    "on_meta": {"KVCANARY_CONTENT": "none"},
+}
+
+
+def run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One engine run of ``mode`` in its own process: the generate call's time and the canary's counters."""
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCANARY_")}
+    env.update(MODES[mode] or {})
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(args.threads))
+    if args.bind:
+        env.update(OMP_PROC_BIND="true", OMP_PLACES="cores")
+    cfg = {"model": model, "canary": MODES[mode] is not None, "requests": args.requests,
+           "max_tokens": args.max_tokens, "max_seqs": 16, "num_blocks": 256, "warmup": 4}
+    return run_in_subprocess(cfg, env=env, timeout=1200)
+
+
+def line(rnd: int, mode: str, out: dict[str, Any]) -> dict[str, Any]:
+    st = out.get("stats", {})
+    wall = out["generate_s"]
+    return {
+        "round": rnd, "mode": mode, "wall_s": round(wall, 4), "tokens": out["tokens_generated"],
+        "tok_per_s": round(out["tokens_generated"] / wall, 1), "threads": out["threads"],
+        "forwards": st.get("forwards"), "canary_s": round(st.get("canary_us", 0) / 1e6, 4),
+        "canary_share": round(st.get("canary_us", 0) / 1e6 / wall, 4),
+        "slots_verified": st.get("slots_verified", 0), "content_bytes_verified": st.get("content_bytes_verified", 0),
+        "content_slots_skipped": st.get("content_slots_skipped", 0), "violations": st.get("violations", 0),
+        "internal_errors": st.get("internal_errors", 0),
+    }
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode: medians over the rounds, and the median wall time over off's."""
+    med = {m: statistics.median(r["wall_s"] for r in rows if r["mode"] == m) for m in MODES}
+    out = []
+    for m in MODES:
+        mine = [r for r in rows if r["mode"] == m]
+        out.append({
+            "mode": m, "wall_s": round(med[m], 3), "x_off": round(med[m] / med["off"], 3),
+            "tok_per_s": round(statistics.median(r["tok_per_s"] for r in mine), 1),
+            "canary_s": round(statistics.median(r["canary_s"] for r in mine), 3),
+            "canary_share": round(statistics.median(r["canary_share"] for r in mine), 3),
+            "slots_verified": int(statistics.median(r["slots_verified"] for r in mine)),
+            "content_MiB_verified": round(statistics.median(r["content_bytes_verified"] for r in mine) / 2**20, 1),
+            "violations": sum(r["violations"] + r["internal_errors"] for r in mine),
+        })
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> None:
+    cols = list(rows[0])
+    width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.rjust(width[c]) for c in cols))
+    for r in rows:
+        print("  ".join(str(r[c]).rjust(width[c]) for c in cols))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each engine process")
+    ap.add_argument("--bind", action="store_true", help="also OMP_PROC_BIND=true OMP_PLACES=cores")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    args = ap.parse_args()
+    rows: list[dict[str, Any]] = []
+    first: list[list[int]] | None = None  # the first run's tokens: every run must generate the same
+    same = True
+    with tempfile.TemporaryDirectory(prefix="kvcanary-bench-vllm-") as model:
+        save_tiny_llama(model, layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2,
+                        intermediate=3 * args.hidden)
+        for rnd in range(args.rounds):
+            for mode in MODES:
+                out = run_mode(mode, model, args)
+                rows.append(line(rnd, mode, out))
+                print(json.dumps(rows[-1]), flush=True)
+                tokens = sorted(out["tokens"].values())
+                first = first or tokens
+                same = same and tokens == first
+    print(f"\nvLLM CPU, llama layers={args.layers} hidden={args.hidden}, {args.requests} requests x "
+          f"{args.max_tokens} new tokens, OMP_NUM_THREADS={args.threads}{' bound' if args.bind else ''}, "
+          f"{args.rounds} rounds; medians; tokens identical in every run: {same}")
+    sums = summary(rows)
+    table(sums)
+    return 0 if same and all(s["violations"] == 0 for s in sums) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
