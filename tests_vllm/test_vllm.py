@@ -100,3 +100,10 @@ def test_tensor_parallel_2_gives_each_rank_its_own_canary(tiny_llama, tmp_path):
     events = eventlog.read(str(tmp_path / "tp.jsonl"))
     # each rank holds half the KV heads and injects its own flip: both ranks' canaries report
     assert {e["rank"] for e in events} == {0, 1} and len({e["pid"] for e in events}) == 2
+
+
+def test_aborted_requests_leave_nothing_that_reads_wrong(tiny_llama):
+    run = engine(tiny_llama, canary=True, abort=3, num_blocks=16, max_model_len=256)
+    st = run["stats"]
+    assert run["violations"] == [] and st["internal_errors"] == 0 and st["slots_verified"] > 0
+    assert 0 < len(run["tokens"]) < 12  # the aborted requests never finished

@@ -107,7 +107,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     :mod:`kvcanary.faults.vllm`, injected at that forward or the first later one with a target);
     ``seed`` (prompts and fault); ``requests``, ``prefix``, ``max_tokens``; ``warmup`` (requests of a
     first, untimed generate on other prompts; the stats returned leave it out); engine sizes
-    ``num_blocks``, ``max_batched``, ``max_seqs``, ``max_model_len``, ``dtype``, ``tensor_parallel``.
+    ``num_blocks``, ``max_batched``, ``max_seqs``, ``max_model_len``, ``dtype``, ``tensor_parallel``;
+    ``abort`` (a step count: half the requests start, every other one of them is aborted after that
+    many steps, then the rest join).
 
     Returns ``tokens`` (request id -> generated ids), ``preemptions``, ``generate_s`` (the timed
     generate call), ``tokens_generated``, ``threads`` (torch's intra-op threads after the run) and,
@@ -143,7 +145,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         generate(cfg["warmup"], seed + 1000)
     canary = _canary() if kvc is not None else None
     before = canary.stats() if canary is not None else {}
-    outs, wall = generate(cfg.get("requests", 12), seed)
+    if cfg.get("abort"):
+        outs, wall = _with_aborts(llm, prompts(cfg.get("requests", 12), seed, cfg.get("prefix", 64)), sp,
+                                  cfg["abort"])
+    else:
+        outs, wall = generate(cfg.get("requests", 12), seed)
     out: dict[str, Any] = {"tokens": {o.request_id: list(o.outputs[0].token_ids) for o in outs},
                            "preemptions": preempted[0], "generate_s": wall,
                            "tokens_generated": sum(len(o.outputs[0].token_ids) for o in outs),
@@ -154,6 +160,28 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if fault is not None and canary is not None:
         out["fault"] = fault.detail
     return out
+
+
+def _with_aborts(llm: Any, ps: list[list[int]], sp: Any, after: int) -> tuple[list[Any], float]:
+    """Drive the engine step by step: the first half of ``ps`` starts, every other one of them is
+    aborted after ``after`` steps, then the second half joins (and reuses the freed blocks)."""
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    half = len(ps) // 2
+    t0 = time.perf_counter()
+    for i, p in enumerate(ps[:half]):
+        eng.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp)
+    done: list[Any] = []
+    for k in range(10_000):
+        if k == after:
+            eng.abort_request([str(i) for i in range(0, half, 2)])
+            for i, p in enumerate(ps[half:], start=half):
+                eng.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp)
+        done += [o for o in eng.step() if o.finished]
+        if k > after and not eng.has_unfinished_requests():
+            break
+    return done, time.perf_counter() - t0
 
 
 def _engine(cfg: dict[str, Any], kv_transfer_config: dict[str, Any] | None) -> Any:
