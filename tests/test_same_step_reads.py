@@ -19,12 +19,14 @@ def batch(written_from, reader_tokens=PREFIX):
     et = torch.full((2, 9), -1, dtype=torch.int64)
     et[0, :8] = torch.tensor(PREFIX)
     et[1, :9] = torch.tensor(reader_tokens + [19])
-    return Step(
-        cached_lens=torch.tensor([0, 8]), new_offsets=torch.tensor([0, 8, 9]),
-        new_tokens=torch.tensor(PREFIX + [19]), new_positions=torch.tensor(list(range(8)) + [8]),
-        new_slots=torch.tensor(list(range(8)) + [8]), block_table=torch.tensor([[0, 1, 3], [0, 1, 2]]),
-        block_size=BS, expected_tokens=et, written_from=written_from,
-    )
+    return make_step([0, 8], [0, 8, 9], PREFIX + [19], list(range(8)) + [8], list(range(8)) + [8], [[0, 1, 3], [0, 1, 2]],
+                et, written_from)
+
+
+def make_step(cached, offsets, tokens, positions, slots, table, et, written_from=None):
+    return Step(cached_lens=torch.tensor(cached), new_offsets=torch.tensor(offsets), new_tokens=torch.tensor(tokens),
+                new_positions=torch.tensor(positions), new_slots=torch.tensor(slots), block_table=torch.tensor(table),
+                block_size=BS, expected_tokens=et, written_from=written_from)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -76,12 +78,10 @@ def test_a_chain_that_continues_from_a_slot_written_in_the_same_step_links_up(ba
     # row 1's new token at position 8 follows position 7, which row 0 writes in the same forward:
     # its link must come from the new stamp, or the next read of it is a false LINK
     c = Canary(NB * BS, paged_layout(NB, BS), CanaryConfig(mode="raise", content_budget_bytes=None, backend=backend))
-    step = batch(torch.tensor([0, 0]))
-    c.before_forward(step)
-    c.after_forward(step)
+    first = batch(torch.tensor([0, 0]))
+    c.before_forward(first)
+    c.after_forward(first)
     et = torch.tensor([PREFIX + [19, 20]])
-    nxt = Step(cached_lens=torch.tensor([9]), new_offsets=torch.tensor([0, 1]), new_tokens=torch.tensor([20]),
-               new_positions=torch.tensor([9]), new_slots=torch.tensor([9]), block_table=torch.tensor([[0, 1, 2]]),
-               block_size=BS, expected_tokens=et)
+    nxt = make_step([9], [0, 1], [20], [9], [9], [[0, 1, 2]], et)
     c.before_forward(nxt)
     assert c.poll() == [] and c.stats()["links_checked"] == 8 + 9

@@ -163,10 +163,10 @@ def test_a_raising_on_violation_callback_is_counted_in_log_mode(llama):
     assert not errors(out) and g.stats()["internal_errors"] >= 1
 
 
-def faulted(model, ps, fault, mode, **kw):
+def faulted(model, ps, fault, mode, on_violation=None, **cfg):
     """A quiet run of ``ps`` under ``mode`` with ``fault`` injected at the third forward."""
     f = CbFault(fault, at=3, seed=1)
-    g = protect(model, CanaryConfig(mode=mode, content_budget_bytes=None), **kw)
+    g = protect(model, CanaryConfig(mode=mode, content_budget_bytes=None, **cfg), on_violation=on_violation)
     g.hooks.append(f)
     logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
     try:
@@ -255,14 +255,7 @@ def test_the_violations_log_names_the_request(llama, tmp_path):
     from kvcanary import eventlog
 
     path = str(tmp_path / "v.jsonl")
-    f = CbFault("flip_shared_byte", at=3, seed=1)
-    g = protect(llama, CanaryConfig(mode="log", content_budget_bytes=None, violations_log=path))
-    g.hooks.append(f)
-    logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
-    try:
-        run(llama, prompts(24, seed=6), guard=g)
-    finally:
-        logging.getLogger("kvcanary").setLevel(logging.WARNING)
+    _, _, g = faulted(llama, prompts(24, seed=6), "flip_shared_byte", "log", violations_log=path)
     lines = eventlog.read(path)
     assert lines and {ln["request"] for ln in lines} == {v.request for v in g.violations}
     assert all(ln["engine"] == "transformers" and ln["group"] == "full_attention" for ln in lines)

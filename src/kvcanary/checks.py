@@ -56,39 +56,30 @@ def read_counts(step: Step) -> torch.Tensor:
     return torch.where(step.valid_rows(), step.cached_lens.long() - start, 0).clamp_min(0)
 
 
-def row_seeds(stamps: torch.Tensor, step: Step) -> torch.Tensor:
-    """Where each row's chain of new tokens starts, int64 ``[R]``: the link stamped at position
-    ``cached_len - 1`` as it was before this step's writes, the seed at a sequence head, and 0 for an
-    unreadable predecessor (already reported by verify)."""
-    cached = step.cached_lens.long()
-    pslot = step.lookup(torch.arange(step.num_rows, device=cached.device), cached - 1)
-    ok = (cached > 0) & (pslot >= 0) & (pslot < stamps.shape[0])
-    pred_link = torch.where(ok, stamps[torch.where(ok, pslot, 0), LINK], 0)
-    return torch.where(cached > 0, pred_link, _SEED)
-
-
 SEED_STORED, SEED_GIVEN, SEED_UNKNOWN = 0, 1, 2  # how a row's chain of new tokens is seeded
 
 
 def canonical_seeds(stamps: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seeds for rows whose chain would start from an unknown slot, int64 ``[R]`` each.
+    """Where each row's chain of new tokens starts, and how that was found: int64 ``[R]`` each.
 
     A link must be a function of the prefix alone (prefix caches swap identical blocks between
     requests), so a row whose predecessor slot is unknown cannot seed from that slot's stamp.
     Where the step knows the row's whole prefix (``expected_tokens``, no -1 before ``cached_len``)
     the seed is the prefix's own link, computed by a scan (``SEED_GIVEN``); otherwise the row's new
     tokens are stamped unknown too (``SEED_UNKNOWN``). Other rows keep seeding from the stored
-    stamp (``SEED_STORED``). Reads tensor values: the CPU path, or a prologue while unknown slots
-    may exist.
+    stamp (``SEED_STORED``). The first tensor holds every row's seed: the link stamped at position
+    ``cached_len - 1`` before this step's writes, the seed at a sequence head, 0 for an unreadable
+    predecessor (already reported by verify), or the prefix's own link. Reads tensor values: the
+    CPU path, or a prologue while unknown slots may exist.
     """
     r = step.num_rows
     cached = step.cached_lens.long()
     pslot = step.lookup(torch.arange(r, device=cached.device), cached - 1)
     inside = (pslot >= 0) & (pslot < stamps.shape[0])
-    unknown = (cached > 0) & inside & (stamps[torch.where(inside, pslot, 0), POSITION] == UNKNOWN_POS)
-    unknown &= step.valid_rows()
+    pred = stamps[torch.where(inside, pslot, 0)]
+    unknown = (cached > 0) & inside & (pred[:, POSITION] == UNKNOWN_POS) & step.valid_rows()
     mode = torch.where(unknown, SEED_UNKNOWN, SEED_STORED)
-    seed = torch.zeros(r, dtype=torch.int64, device=cached.device)
+    seed = torch.where(cached > 0, torch.where(inside, pred[:, LINK], 0), _SEED)
     et = step.expected_tokens
     if et is None or not bool(unknown.any()):
         return seed, mode
@@ -103,7 +94,7 @@ def canonical_seeds(stamps: torch.Tensor, step: Step) -> tuple[torch.Tensor, tor
     link = hashing.affine_scan(torch.where(p == 0, 0, _B), hashing.g_term(tok, p) + head)
     last = torch.cumsum(n, 0) - 1
     got = link[last.clamp(min=0)]
-    seed[rows] = torch.where(full, got, 0)
+    seed[rows] = torch.where(full, got, seed[rows])
     mode[rows] = torch.where(full, SEED_GIVEN, SEED_UNKNOWN)
     return seed, mode
 
@@ -252,7 +243,7 @@ def stamp(
     exp_pos = cached[row] + j
 
     given, mode = canonical_seeds(stamps, step) if seeds is None else seeds
-    seed = torch.where(mode == SEED_GIVEN, given, row_seeds(stamps, step))[row]
+    seed = given[row]
     lost = (mode == SEED_UNKNOWN)[row]  # a chain whose prefix is unknown: its slots become unknown too
     head = j == 0
     g = hashing.g_term(tok, pos)

@@ -63,7 +63,7 @@ def _tokens(tokens, positions, offsets, rows, steps, cached, table, width, span,
             HAS_OVER: tl.constexpr):
     """Per token: row, index in its row, token, position, and the affine map (``a = 0`` at a head).
 
-    A head's ``b`` folds in its row's seed (= :func:`kvcanary.checks.row_seeds`): read from
+    A head's ``b`` folds in its row's seed (= :func:`kvcanary.checks.canonical_seeds`): read from
     ``seeds`` when ``SEEDED``, else from the stamps (before this step's writes), unless ``over``
     (int64 ``[2, rows]``: :func:`kvcanary.checks.canonical_seeds`) gives it."""
     row = row_of(offsets, t, rows, steps)
