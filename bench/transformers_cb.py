@@ -42,9 +42,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--backend", default="auto", help="the canary's backend (kvcanary.ops: torch, fused, triton)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
     args = ap.parse_args()
     model = tiny_model(seed=0, layers=args.layers, hidden=args.hidden).to(args.device)
-    for name, (n, prefix, tail, new) in WORKLOADS.items():
+    for name in args.workloads.split(","):
+        n, prefix, tail, new = WORKLOADS[name]
         ps = prompts(n, prefix, tail)
         gen, cb = cb_configs(max_new_tokens=new, num_blocks=256, max_batch_tokens=256)
 
@@ -54,7 +57,7 @@ def main() -> None:
             t = time.perf_counter()
             with torch.inference_mode():
                 if on:
-                    with protect(model, CanaryConfig(mode="log")) as guard:
+                    with protect(model, CanaryConfig(mode="log", backend=args.backend)) as guard:
                         model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb)
                     stats = guard.stats()
                 else:
@@ -84,7 +87,7 @@ def main() -> None:
             "content_bytes_verified": stats.get("content_bytes_verified"),
             "content_bytes_stamped": stats.get("content_bytes_stamped"),
             "violations": stats.get("violations"), "internal_errors": stats.get("internal_errors"),
-            "repeats": args.repeats, "threads": torch.get_num_threads(),
+            "repeats": args.repeats, "threads": torch.get_num_threads(), "backend": args.backend,
             "model": f"llama layers={args.layers} hidden={args.hidden}",
         }), flush=True)
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvcanary import ByteSource, Canary, CanaryConfig, KvLayout, UnsupportedError, checks
+from kvcanary import Canary, CanaryConfig, UnsupportedError, checks
 from kvcanary.sim import workload
 from kvcanary.sim.engine import EngineSpec, ScriptedEngine
 from kvcanary.kernels import stamp as kstamp
@@ -18,42 +18,7 @@ from kvcanary.kernels._common import source_table
 from kvcanary.kernels.content import content
 from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS, Counter
 
-from factories import clone_step, prefill_of, random_step, step_to
-
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def make_layout(kind: str, nb: int, bs: int, seed: int) -> KvLayout:
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randint(-3000, 3000, shape, generator=g).to(torch.float16).to(DEV)
-
-    if kind == "paged":
-        return KvLayout(tuple(ByteSource.from_tensor(f"l{i}", rnd(nb, bs, 2, 8), page_size=bs) for i in range(2)))
-    if kind == "packed":
-        t = rnd(nb, 2, bs, 2, 8)
-        return KvLayout(tuple(ByteSource.from_tensor(h, t[:, i], page_size=bs) for i, h in enumerate("kv")))
-    if kind == "head_major":
-        return KvLayout((ByteSource.from_tensor("k", rnd(nb, 2, bs, 8).permute(0, 2, 1, 3), page_size=bs),))
-    if kind == "partial":
-        return KvLayout((ByteSource.from_tensor("k", rnd(nb, bs, 4, 16), page_size=bs, read_bytes=32),))
-    if kind == "mixed":  # page sizes 1 and bs; rows of 12, 80 (two tiles) and 2 x 16 words: partial tiles
-        return KvLayout((ByteSource.from_tensor("flat", rnd(nb * bs, 48)),
-                         ByteSource.from_tensor("wide", rnd(nb, bs, 320), page_size=bs),
-                         ByteSource.from_tensor("heads", rnd(nb, 2, bs, 64).permute(0, 2, 1, 3), page_size=bs)))
-    from kvcanary import layouts
-
-    # vLLM CPU, 2 layers in one allocation, one head (corrupt() indexes slot_bytes as [rows, row_bytes]; many
-    # heads, whose views have a group dim, are in test_layouts.py): K in 2-byte elements bs apart, V 16-byte rows
-    if kind == "vec":
-        t = rnd(2, nb, 1, bs, 16)
-        return layouts.vllm_cpu_vec([t[0], t[1]], bs, 1, 8)
-    if kind == "amx":  # bf16: K 4-byte pairs interleaved across 16 tokens, V 2-byte elements of token pairs
-        t = rnd(2, nb, 1, bs, 32).to(torch.bfloat16)
-        return layouts.vllm_cpu_amx([t[0], t[1]], bs, 1, 16)
-    return KvLayout()  # metadata only
-
+from factories import DEV, clone_step, corrupt, make_layout, prefill_of, random_step, step_to
 
 def rows_of(ring, counters):
     n = int(counters[Counter.VIOLATIONS])
@@ -64,25 +29,6 @@ def rows_of(ring, counters):
 def first_mismatch(a, b):
     bad = (a != b).nonzero()
     return None if not bad.numel() else (tuple(bad[0].tolist()), a[tuple(bad[0])].item(), b[tuple(bad[0])].item())
-
-
-def corrupt(rng, stamps, layout, step):
-    for _ in range(rng.randint(1, 4)):
-        what = rng.choice(["stamp", "byte", "table", "token", "unknown"])
-        if what == "unknown":  # slots the canary lost track of: counted, not checked, chains reseeded
-            for _ in range(rng.randint(1, 6)):
-                stamps[rng.randrange(stamps.shape[0])] = torch.tensor(checks.UNKNOWN_STAMP)
-        elif what == "stamp":
-            stamps[rng.randrange(stamps.shape[0]), rng.randrange(4)] ^= 1 << rng.randrange(63)
-        elif what == "byte" and layout.sources:
-            src = rng.choice(layout.sources)
-            row = src.slot_bytes(rng.randrange(stamps.shape[0]))
-            row[rng.randrange(src.rows), rng.randrange(src.row_bytes)] ^= 1 << rng.randrange(8)
-        elif what == "table":
-            t = step.table
-            t[rng.randrange(t.shape[0]), rng.randrange(t.shape[1])] = rng.randrange(-1, int(t.max()) + 2)
-        elif step.expected_tokens is not None:
-            step.expected_tokens[rng.randrange(step.expected_tokens.shape[0])] += 1
 
 
 CASES = [(bs, kind, lay) for bs in (1, 16, 64) for kind in ("block", "token")

@@ -92,15 +92,19 @@ def test_stamps_that_could_not_travel_land_unknown():
     assert c.poll() == [] and c.stats()["slots_unverifiable"] == 2
 
 
-OPS = ["verify", "stamp", "scrub", "set_state", "fingerprint"]
+OPS = [("torch", op) for op in ("verify", "stamp", "scrub", "set_state", "fingerprint")]
+OPS += [("fused", op) for op in ("verify", "stamp", "scrub", "set_state")]  # the fused ops fingerprint inline
 
 
-@pytest.mark.parametrize("op", OPS)
-def test_an_op_that_fails_once_leaves_no_false_report_behind(monkeypatch, op):
+@pytest.mark.parametrize("backend,op", OPS)
+def test_an_op_that_fails_once_leaves_no_false_report_behind(monkeypatch, backend, op):
     rng = random.Random(4)
-    c, step, stoks = written(rng, CanaryConfig(mode="log", content_budget_bytes=None))
-    owner = type(c.layout) if op == "fingerprint" else checks
-    orig = getattr(owner, op)
+    c, step, stoks = written(rng, CanaryConfig(mode="log", content_budget_bytes=None, backend=backend))
+    if op in c._ops and backend != "torch":
+        owner, orig = None, c._ops[op]
+    else:
+        owner = type(c.layout) if op == "fingerprint" else checks
+        orig = getattr(owner, op)
     calls = {"n": 0}
 
     def once(*a, **k):
@@ -109,7 +113,10 @@ def test_an_op_that_fails_once_leaves_no_false_report_behind(monkeypatch, op):
             raise RuntimeError("injected failure inside kvcanary")
         return orig(*a, **k)
 
-    monkeypatch.setattr(owner, op, once)
+    if owner is None:
+        monkeypatch.setitem(c._ops, op, once)
+    else:
+        monkeypatch.setattr(owner, op, once)
     free = sorted(set(range(NB)) - set(step.table.flatten().tolist()))[0] * BS  # a slot no row holds
     for _ in range(4):  # decode a few tokens, scrubbing and moving stamps around as an engine does
         nxt = decode(step, stoks)

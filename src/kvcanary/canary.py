@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
-from kvcanary import checks, eventlog
+from kvcanary import checks, eventlog, ops
 from kvcanary.config import CanaryConfig
 from kvcanary.errors import ConfigError, KvCanaryError, KvCorruptionError, UnsupportedError
 from kvcanary.layout import KvLayout
@@ -117,11 +117,9 @@ class Canary:
             )
         self.content_slots = None if budget is None or not per_slot else budget // per_slot
         self.backend = self._resolve_backend()
-        self.validate = self.config.validate if self.config.validate is not None else self.backend == "torch"
-        if self.backend == "triton":
-            from kvcanary.kernels._common import source_table
-
-            self._src_table = source_table(self.layout, self.device)
+        self.validate = self.config.validate if self.config.validate is not None else self.backend != "triton"
+        self._ops = ops.load(self.backend)
+        self._table = ops.prepare(self.backend, self.layout, self.device)
         self.stamps = checks.new_stamps(num_slots, self.device)
         self.ring = ViolationRing(self.config.ring_capacity, self.device)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -134,7 +132,19 @@ class Canary:
 
     def _resolve_backend(self) -> str:
         want = self.config.backend
-        if want == "torch" or (want == "auto" and self.device.type == "cpu"):
+        if want == "fused" and self.device.type != "cpu":
+            raise UnsupportedError(f"backend 'fused' runs on CPU pools; this pool is on {self.device} (use 'triton')")
+        if want == "fused" or (want == "auto" and self.device.type == "cpu"):
+            from kvcanary.fused import available
+
+            why = available()
+            if why is None:
+                return "fused"
+            if want == "fused":
+                raise UnsupportedError(f"backend 'fused' needs numba: {why}")
+            log.warning("kvcanary: the fused CPU path is unavailable (%s); using the slower torch path", why)
+            return "torch"
+        if want == "torch":
             return "torch"
         try:
             import triton  # noqa: F401
@@ -212,7 +222,12 @@ class Canary:
         if step.cached_lens.device != self.device:
             raise UnsupportedError(f"step tensors on {step.cached_lens.device}, the canary's pool on {self.device}")
         if self.validate:
-            step.validate_once(self.num_slots)  # again whenever a tensor of the step changed in place
+            if self.backend == "fused":  # one compiled pass over the rows: cheaper than telling it is unchanged
+                from kvcanary.fused.ops import validate
+
+                validate(step, self.num_slots)
+            else:
+                step.validate_once(self.num_slots)  # again whenever a tensor of the step changed in place
 
     @_guarded()
     def before_forward(self, step: Step) -> None:
@@ -220,18 +235,11 @@ class Canary:
         except reads of slots this same step writes (``step.written_from``): those are verified by
         :meth:`after_forward`, once the writes are stamped."""
         self._prepare(step)
-        self._verify(step.split_reads()[0])
+        self._verify(step, ops.BEFORE_WRITES)
 
-    def _verify(self, step: Step) -> None:
-        if self.backend == "triton":
-            from kvcanary.kernels import verify
-
-            verify.verify(self.stamps, self._src_table, step, self.ring.counters, self.cursor, self.content_slots,
-                          self.ring.rows)
-            return
-        rows = checks.verify(self.stamps, self.layout, step, self.ring.counters, self.cursor,
-                             self.content_slots, self.step_id)
-        self.ring.append(rows)
+    def _verify(self, step: Step, part: int) -> None:
+        self._ops["verify"](self.stamps, self._table, step, self.ring.counters, self.cursor, self.content_slots,
+                            self.ring.rows, part)
 
     @_guarded(_forget_written)
     def after_forward(self, step: Step) -> None:
@@ -242,22 +250,12 @@ class Canary:
         after = step.split_reads()[1]
         if after is not None:
             self._restamp_followers(step)
-            self._verify(after)
+            self._verify(step, ops.AFTER_WRITES)
             self.ring.counters[Counter.SLOTS_VERIFIED_AFTER_WRITE] += checks.read_counts(after).sum()
         self.ring.counters[Counter.STEPS] += 1
 
     def _stamp(self, step: Step, counters: torch.Tensor, ring: torch.Tensor) -> None:
-        if self.backend == "triton":
-            from kvcanary.kernels import stamp
-
-            # while unknown slots may exist, a torch prologue works out the seeds of rows that
-            # follow one (it reads the step on the host); otherwise the kernel seeds every row itself
-            seeds = checks.canonical_seeds(self.stamps, step) if self.unknown_possible else None
-            stamp.stamp(self.stamps, self._src_table, step, counters, ring, seeds=seeds)
-        else:
-            rows = checks.stamp(self.stamps, self.layout, step, counters, self.step_id)
-            if ring is self.ring.rows:
-                self.ring.append(rows)
+        self._ops["stamp"](self.stamps, self._table, step, counters, ring, unknown_possible=self.unknown_possible)
 
     def _restamp_followers(self, step: Step) -> None:
         """Rows whose chain continues from a slot another row wrote in this step seeded from that
@@ -295,8 +293,7 @@ class Canary:
             self.scrub_cursor = (self.scrub_cursor + n) % self.num_slots
         else:
             slots = self._slots_arg("slots", slots)
-        rows = checks.scrub(self.stamps, self.layout, slots, self.ring.counters, self.step_id)
-        self.ring.append(rows)
+        self._ops["scrub"](self.stamps, self._table, slots, self.ring.counters, self.ring.rows, Site.SCRUB)
 
     @_guarded(_forget_slots)
     def release(self, slots: torch.Tensor) -> None:
@@ -332,8 +329,7 @@ class Canary:
         if not self.unknown_possible:  # a copy of slots the canary lost track of stays unknown
             self.unknown_possible = bool((stamps[:, checks.POSITION] == checks.UNKNOWN_POS).any())
         self.stamps[slots] = stamps
-        rows = checks.scrub(self.stamps, self.layout, slots, self.ring.counters, self.step_id, Site.TRANSFER)
-        self.ring.append(rows)
+        self._ops["scrub"](self.stamps, self._table, slots, self.ring.counters, self.ring.rows, Site.TRANSFER)
 
     # ---- reporting ----------------------------------------------------------------------------
 

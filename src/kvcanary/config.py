@@ -12,8 +12,8 @@ from typing import Any, Callable, Literal
 from kvcanary.errors import ConfigError
 
 Mode = Literal["off", "log", "raise", "quarantine"]
-Backend = Literal["auto", "torch", "triton"]
-BACKENDS = ("auto", "torch", "triton")
+Backend = Literal["auto", "torch", "fused", "triton"]
+BACKENDS = ("auto", "torch", "fused", "triton")
 Content = Literal["none", "all"]
 MODES = ("off", "log", "raise", "quarantine")
 AUTO_BUDGET = {"cpu": 256 << 10, "cuda": 256 << 20}
@@ -35,9 +35,10 @@ class CanaryConfig:
         leaves out is counted
     ring_capacity : violation rows held on the device between two polls
     validate : check step values (ranges) on the host before each op (reads device tensors, so not
-        under graph capture); ``None``: on for the torch backend, off for Triton
-    backend : ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton`` (on a CPU only under
-        ``TRITON_INTERPRET=1``)
+        under graph capture); ``None``: on for the CPU backends, off for Triton
+    backend : ``auto`` (Triton on CUDA; on a CPU the fused path, or torch where numba is missing),
+        ``torch`` (the reference: vectorized torch ops), ``fused`` (compiled CPU loops, numba) or
+        ``triton`` (on a CPU only under ``TRITON_INTERPRET=1``); see :mod:`kvcanary.ops`
     scrub_slots : slots the patrol scrub re-fingerprints per ``scrub()`` call
     history : decoded violations kept on the canary for inspection
     violations_log : a file that every drained violation event is appended to as one JSON line

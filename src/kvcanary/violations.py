@@ -126,6 +126,22 @@ class Violation:
         return d
 
 
+def append_rows(counters: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor) -> None:
+    """Append violation ``rows`` (int64 ``[n, NUM_FIELDS]``) to ``ring`` (``[capacity, NUM_FIELDS]``)
+    as the kernels do: row ``i`` ever recorded lands at ``i % capacity``; ``counters`` counts them."""
+    n = rows.shape[0]
+    if n == 0:
+        return
+    cap = ring.shape[0]
+    start = int(counters[Counter.VIOLATIONS])
+    if n > cap:  # only the last `capacity` rows can survive
+        rows = rows[n - cap :]
+        start += n - cap
+    idx = torch.arange(start, start + rows.shape[0], device=rows.device) % cap
+    ring[idx] = rows
+    counters[Counter.VIOLATIONS] += n
+
+
 class ViolationRing:
     """Device ring of violation rows plus the device counter vector.
 
@@ -143,16 +159,7 @@ class ViolationRing:
 
     def append(self, rows: torch.Tensor) -> None:
         """Append int64 ``[n, NUM_FIELDS]`` rows (torch path; n is known on the host)."""
-        n = rows.shape[0]
-        if n == 0:
-            return
-        start = int(self.counters[Counter.VIOLATIONS])
-        if n > self.capacity:  # only the last `capacity` rows can survive
-            rows = rows[n - self.capacity :]
-            start += n - self.capacity
-        idx = torch.arange(start, start + rows.shape[0], device=rows.device) % self.capacity
-        self.rows[idx] = rows
-        self.counters[Counter.VIOLATIONS] += n
+        append_rows(self.counters, self.rows, rows)
 
     def drain(self) -> list[Violation]:
         """Decode the rows written since the last drain (syncs with the device)."""

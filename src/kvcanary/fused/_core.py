@@ -1,0 +1,211 @@
+"""The fused CPU path's shared pieces: raw loads and stores, the hashing formulas on uint64, tensor
+descriptors, and the layout as a table the compiled loops read.
+
+The loops take tensors as descriptors (address, element size, strides) rather than as typed arrays,
+so each op compiles once, whatever mix of int32, int64 and bool tensors an engine hands over, and
+calling one costs a few microseconds. The descriptors are built from tensors the caller checked
+(shapes by :meth:`kvcanary.step.Step.validate_shapes`, values by the op's own bounds checks): a
+loop never reads outside the tensors it was given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from kvcanary import hashing
+from kvcanary.layout import KvLayout
+
+JIT = dict(cache=True, nogil=True, error_model="numpy")  # compiled once per machine, cached on disk
+
+
+def _loader(bits: int, signed: bool, ret: types.Type):  # type: ignore[no-untyped-def]
+    @intrinsic
+    def load(typingctx, addr):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            ptr = builder.inttoptr(args[0], ir.IntType(bits).as_pointer())
+            v = builder.load(ptr, align=1)
+            if bits < 64:
+                v = builder.sext(v, ir.IntType(64)) if signed else builder.zext(v, ir.IntType(64))
+            return v
+
+        return ret(types.int64), codegen
+
+    return load
+
+
+ld_u8 = _loader(8, False, types.int64)
+ld_u16 = _loader(16, False, types.int64)
+ld_i32 = _loader(32, True, types.int64)
+ld_u32 = _loader(32, False, types.int64)
+ld_i64 = _loader(64, True, types.int64)
+ld_w64 = _loader(64, False, types.uint64)  # a content word
+
+
+@intrinsic
+def st_i64(typingctx, addr, value):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        builder.store(args[1], builder.inttoptr(args[0], ir.IntType(64).as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64), codegen
+
+
+@njit(inline="always", **JIT)
+def ld(addr, esz, i):  # type: ignore[no-untyped-def]
+    """Element ``i`` of an integer or bool tensor of element size ``esz`` (1: bool/uint8, 4: int32,
+    8: int64), as int64."""
+    a = addr + i * esz
+    if esz == 8:
+        return ld_i64(a)
+    if esz == 4:
+        return ld_i32(a)
+    return ld_u8(a)
+
+
+@njit(inline="always", **JIT)
+def ld_word(addr, width):  # type: ignore[no-untyped-def]
+    """A content word: 8 bytes, or a narrow element (1, 2 or 4 bytes) zero-extended."""
+    if width == 0:
+        return ld_w64(addr)
+    if width == 4:
+        return np.uint64(ld_u32(addr))
+    if width == 2:
+        return np.uint64(ld_u16(addr))
+    return np.uint64(ld_u8(addr))
+
+
+# ---- the hashing formulas of kvcanary.hashing, on uint64 ---------------------------------------
+
+_C1, _C2 = np.uint64(hashing.FMIX_C1), np.uint64(hashing.FMIX_C2)
+_POS_SALT, _WORD_MUL = np.uint64(hashing.POS_SALT), np.uint64(hashing.WORD_MUL)
+_CONTENT_SALT, _B = np.uint64(hashing.CONTENT_SALT), np.uint64(hashing.LINK_B)
+_SEED = np.uint64(hashing.LINK_SEED)
+_S33, _S29 = np.uint64(33), np.uint64(29)
+
+
+@njit(inline="always", **JIT)
+def fmix64(x):  # type: ignore[no-untyped-def]
+    x ^= x >> _S33
+    x *= _C1
+    x ^= x >> _S33
+    x *= _C2
+    return x ^ (x >> _S33)
+
+
+@njit(inline="always", **JIT)
+def g_term(tok, pos):  # type: ignore[no-untyped-def]
+    """``g(token, position)`` from int64 token and position, as uint64."""
+    return fmix64(np.uint64(tok) ^ fmix64(np.uint64(pos) + _POS_SALT))
+
+
+@njit(inline="always", **JIT)
+def link_next(prev, tok, pos):  # type: ignore[no-untyped-def]
+    """``B * prev + g(token, position)``: int64 in, int64 out (the stamp's bits)."""
+    return np.int64(np.uint64(prev) * _B + g_term(tok, pos))
+
+
+@njit(inline="always", **JIT)
+def wmix(x):  # type: ignore[no-untyped-def]
+    x *= _WORD_MUL
+    return x ^ (x >> _S29)
+
+
+@njit(inline="always", **JIT)
+def finish_content(acc):  # type: ignore[no-untyped-def]
+    return np.int64(fmix64(acc ^ _CONTENT_SALT))
+
+
+SEED = np.int64(hashing.signed(hashing.LINK_SEED))
+
+# ---- the layout as a table ---------------------------------------------------------------------
+
+# per source: address of its storage + offset, page_size, page_stride, pack (slots), pack_stride,
+# token_stride (bytes), width (0: wide 8-byte words, else the narrow element's bytes), words read,
+# words per run (wide), first run offset's index in ``runs``, first key's index in ``keys``
+A_ADDR, A_PS, A_PGS, A_PACK, A_PKS, A_TKS, A_WIDTH, A_WORDS, A_RUNW, A_RUN0, A_KEY0 = range(11)
+NUM_SRC_FIELDS = 11
+
+
+class SourceTable:
+    """A layout as flat int64 arrays for the compiled loops (built once per canary).
+
+    ``src`` is ``[num_sources, NUM_SRC_FIELDS]``; ``runs`` the byte offsets of each source's runs
+    from its slot's first byte, in word order; ``keys`` every source's word keys in layout order.
+    The table holds references to the engine's tensors, so their storage outlives it.
+    """
+
+    def __init__(self, layout: KvLayout, device: torch.device | str = "cpu") -> None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"the fused path runs on CPU pools, got device {device}")
+        rows: list[list[int]] = []
+        runs: list[int] = []
+        keys: list[int] = []
+        for i, s in enumerate(layout.sources):
+            offs = s.run_offsets().tolist()
+            width = s.row_bytes if s.narrow else 0
+            nruns = s.read_runs if s.narrow else -(-s.read_words // (s.row_bytes // 8))
+            base = s.tensor.untyped_storage().data_ptr() + s.offset
+            rows.append([base, s.page_size, s.page_stride, s.pack, s.pack_stride, s.token_stride, width,
+                         s.read_words, 1 if s.narrow else s.row_bytes // 8, len(runs), len(keys)])
+            runs += offs[:nruns]
+            keys += [hashing.signed(hashing.py_word_key(i, j)) for j in range(s.read_words)]
+        self.src = np.array(rows, dtype=np.int64).reshape(-1, NUM_SRC_FIELDS)
+        self.runs = np.array(runs + [0], dtype=np.int64)
+        self.keys = np.array(keys + [0], dtype=np.int64).view(np.uint64)
+        self.count = len(layout.sources)
+        self.bytes_per_slot = layout.content_bytes_per_slot
+        self._tensors = [s.tensor for s in layout.sources]  # keeps the storages alive
+
+
+@njit(inline="always", **JIT)
+def fold_slot(src, runs, keys, slot):  # type: ignore[no-untyped-def]
+    """The fingerprint of one slot (``0 <= slot < num_slots``) over every source, as int64."""
+    acc = np.uint64(0)
+    for i in range(src.shape[0]):
+        ps = src[i, A_PS]
+        page = slot // ps
+        inpage = slot - page * ps
+        pack = src[i, A_PACK]
+        base = (src[i, A_ADDR] + page * src[i, A_PGS] + (inpage // pack) * src[i, A_PKS]
+                + (inpage % pack) * src[i, A_TKS])
+        width = src[i, A_WIDTH]
+        left = src[i, A_WORDS]
+        k = src[i, A_KEY0]
+        r = src[i, A_RUN0]
+        if width == 0:
+            rw = src[i, A_RUNW]
+            while left > 0:
+                a = base + runs[r]
+                nw = min(rw, left)
+                for j in range(nw):
+                    acc += wmix(ld_w64(a + 8 * j) ^ keys[k + j])
+                k += nw
+                left -= nw
+                r += 1
+        else:
+            for j in range(left):
+                acc += wmix(ld_word(base + runs[r + j], width) ^ keys[k + j])
+    return finish_content(acc)
+
+
+# ---- tensors as descriptors ---------------------------------------------------------------------
+
+_ESZ = {torch.int64: 8, torch.int32: 4, torch.bool: 1, torch.uint8: 1}
+
+
+def addr(t: torch.Tensor | None) -> tuple[int, int, int]:
+    """(address, element size, stride in elements) of a 1-d tensor, (0, 8, 0) for ``None``."""
+    if t is None:
+        return 0, 8, 0
+    return t.data_ptr(), _ESZ[t.dtype], t.stride(0)
+
+
+def addr2(t: torch.Tensor | None) -> tuple[int, int, int, int, int, int]:
+    """(address, element size, row stride, column stride, rows, columns) of a 2-d tensor."""
+    if t is None:
+        return 0, 8, 0, 0, 0, 0
+    return t.data_ptr(), _ESZ[t.dtype], t.stride(0), t.stride(1), t.shape[0], t.shape[1]

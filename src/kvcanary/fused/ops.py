@@ -1,0 +1,394 @@
+"""The fused CPU implementation of each op: one compiled loop over the step's rows and slots, bit
+for bit the torch reference (:mod:`kvcanary.checks`), writing violation rows straight into the
+canary's ring and bumping its counters in place, as the Triton kernels do.
+
+Each loop runs on the calling thread (no thread pool of its own, so it never competes with the
+engine's), allocates nothing per read slot (the stamp op keeps a few words per written slot to
+find duplicate writes) and reads only the step fields an op needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UNKNOWN_POS
+from kvcanary.errors import KvCanaryError
+from kvcanary.fused._core import JIT, SEED, SourceTable, fold_slot, g_term, ld_i32, ld_i64, link_next, st_i64
+from kvcanary.fused._step import (CL, ENP, ENT, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
+                                  describe, lookup, rd, rd2, record, start, table_row, valid)
+from kvcanary.fused._step import TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
+from kvcanary.step import Step
+from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS, Check, Counter, Site
+
+_B = np.uint64(0x9E3779B97F4A7C15)
+_STEPS, _VIOL = int(Counter.STEPS), int(Counter.VIOLATIONS)
+_C_POS, _C_LINK, _C_TOK, _C_CONT = int(Check.POSITION), int(Check.LINK), int(Check.TOKEN), int(Check.CONTENT)
+_C_EMPTY, _C_BAD = int(Check.EMPTY), int(Check.BAD_SLOT)
+_C_WPOS, _C_WTAB, _C_WTOK = int(Check.WRITE_POSITION), int(Check.WRITE_TABLE), int(Check.WRITE_INPUT_TOKEN)
+_C_WEPOS, _C_DUP = int(Check.WRITE_INPUT_POSITION), int(Check.WRITE_DUPLICATE)
+_K_VER, _K_LINKS, _K_UNLINKED = int(Counter.SLOTS_VERIFIED), int(Counter.LINKS_CHECKED), int(Counter.LINKS_UNCHECKED)
+_K_CSLOTS, _K_CSKIP = int(Counter.CONTENT_SLOTS_VERIFIED), int(Counter.CONTENT_SLOTS_SKIPPED)
+_K_CBYTES, _K_UNVER = int(Counter.CONTENT_BYTES_VERIFIED), int(Counter.SLOTS_UNVERIFIABLE)
+_K_STAMPED, _K_SBYTES = int(Counter.SLOTS_STAMPED), int(Counter.CONTENT_BYTES_STAMPED)
+_K_SCRUBBED, _K_SCBYTES = int(Counter.SLOTS_SCRUBBED), int(Counter.CONTENT_BYTES_SCRUBBED)
+_SITE_VERIFY, _SITE_WRITE = int(Site.VERIFY), int(Site.WRITE)
+ALL, BEFORE_WRITES, AFTER_WRITES = 0, 1, 2  # which reads verify takes (Step.split_reads)
+
+
+@njit(inline="always", **JIT)
+def _range(d, r, part):  # type: ignore[no-untyped-def]
+    """The positions ``[lo, hi)`` row ``r`` reads in ``part`` (empty for a padding row)."""
+    if not valid(d, r):
+        return 0, 0
+    lo = start(d, r)
+    hi = rd(d, CL, r)
+    if part != ALL and d[WF] != 0:
+        e = min(max(rd(d, WF, r), lo), hi)
+        if part == BEFORE_WRITES:
+            hi = e
+        else:
+            lo = e
+    return lo, max(hi, lo)
+
+
+@njit(**JIT)
+def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slots, ring, cap, bps, part):  # type: ignore[no-untyped-def]
+    nrows = d[NROWS]
+    n = 0
+    for r in range(nrows):
+        lo, hi = _range(d, r, part)
+        n += hi - lo
+    has_content = src.shape[0] > 0 and n > 0
+    cur = 0
+    k = n
+    if has_content:
+        cur = ld_i64(cursor) % n
+        if content_slots >= 0:
+            k = min(content_slots, n)
+    step_id = ld_i64(counters + 8 * _STEPS)
+    has_et = d[ET] != 0
+    et_w = d[ET + 5]
+    e = 0
+    nlinked = nreadable = nunknown = nsel = 0
+    for r in range(nrows):
+        lo, hi = _range(d, r, part)
+        bad_p = unknown_p = False
+        link_p = slot_p = np.int64(0)
+        for pos in range(lo, hi):
+            slot = lookup(d, r, pos)
+            bad = slot < 0 or slot >= num_slots
+            sa = stamps + 32 * (0 if bad else slot)
+            s_tok, s_pos, s_link, s_cont = ld_i64(sa), ld_i64(sa + 8), ld_i64(sa + 16), ld_i64(sa + 24)
+            empty = s_pos == EMPTY_POS and not bad
+            unknown = s_pos == UNKNOWN_POS and not bad
+            readable = not (bad or empty or unknown)
+            has_pred = pos > lo
+            linked = readable and (pos == 0 or (has_pred and not bad_p and not unknown_p))
+            exp_link = np.int64(0)
+            if linked:
+                exp_link = link_next(SEED if pos == 0 else link_p, s_tok, s_pos)
+            checks = 0
+            if bad:
+                checks |= _C_BAD
+            if empty:
+                checks |= _C_EMPTY
+            if readable and s_pos != pos:
+                checks |= _C_POS
+            if linked and s_link != exp_link:
+                checks |= _C_LINK
+            exp_tok = -1
+            if has_et:
+                if pos < et_w:
+                    exp_tok = rd2(d, ET, r, pos)
+                if readable and exp_tok != -1 and s_tok != exp_tok:
+                    checks |= _C_TOK
+            exp_cont = np.int64(0)
+            if has_content and readable and (e - cur) % n < k:
+                exp_cont = fold_slot(src, runs, keys, slot)
+                nsel += 1
+                if s_cont != exp_cont:
+                    checks |= _C_CONT
+            if checks:
+                record(counters, ring, cap, _SITE_VERIFY, checks, step_id, r, slot, pos, exp_tok, s_tok, s_pos,
+                       exp_link, s_link, exp_cont, s_cont, slot_p if has_pred else -1)
+            nlinked += linked
+            nreadable += readable
+            nunknown += unknown
+            bad_p, unknown_p, link_p, slot_p = bad, unknown, s_link, slot
+            e += 1
+    if has_content:
+        bump(counters, _K_CSLOTS, nsel)
+        bump(counters, _K_CSKIP, n - k)
+        bump(counters, _K_CBYTES, nsel * bps)
+        st_i64(cursor, ld_i64(cursor) + k)
+    bump(counters, _K_VER, n)
+    bump(counters, _K_LINKS, nlinked)
+    bump(counters, _K_UNLINKED, nreadable - nlinked)
+    bump(counters, _K_UNVER, nunknown)
+    return n
+
+
+@njit(inline="always", **JIT)
+def _prefix_link(d, r, n):  # type: ignore[no-untyped-def]
+    """The link of position ``n - 1`` from the row's expected tokens, and whether all were known."""
+    link = np.uint64(0)
+    for p in range(n):
+        t = rd2(d, ET, r, p)
+        if t < 0:
+            return np.int64(0), False
+        g = g_term(t, p)
+        link = (np.uint64(SEED) * _B + g) if p == 0 else link * _B + g
+    return np.int64(link), True
+
+
+@njit(**JIT)
+def _seeds(d, stamps, num_slots, seed, mode):  # type: ignore[no-untyped-def]
+    """:func:`kvcanary.checks.canonical_seeds`, into ``seed`` and ``mode`` (int64 ``[R]``)."""
+    for r in range(d[NROWS]):
+        cached = rd(d, CL, r)
+        ps = lookup(d, r, cached - 1)
+        inside = 0 <= ps < num_slots
+        pa = stamps + 32 * (ps if inside else 0)
+        unknown = cached > 0 and inside and ld_i64(pa + 8) == UNKNOWN_POS and valid(d, r)
+        seed[r] = (ld_i64(pa + 16) if inside else 0) if cached > 0 else SEED
+        mode[r] = SEED_STORED
+        if unknown:
+            mode[r] = SEED_UNKNOWN
+            if d[ET] != 0:
+                n = min(cached, d[ET + 5])
+                link, known = _prefix_link(d, r, n)
+                if known and n == cached:
+                    seed[r], mode[r] = link, SEED_GIVEN
+
+
+@njit(**JIT)
+def _stamp(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, seed, mode):  # type: ignore[no-untyped-def]
+    nrows, nnew = d[NROWS], d[NNEW]
+    step_id = ld_i64(counters + 8 * _STEPS)
+    has_src = src.shape[0] > 0
+    # the written slots, to find two writes to one slot before any stamp lands
+    w_tok = np.empty(nnew, dtype=np.int64)
+    w_slot = np.empty(nnew, dtype=np.int64)
+    nw = 0
+    for r in range(nrows):
+        ok = valid(d, r)
+        o0, o1 = rd(d, NO, r), rd(d, NO, r + 1)
+        for t in range(o0, o1):
+            slot = rd(d, NS, t)
+            if ok and 0 <= slot < num_slots:
+                w_tok[nw] = t
+                w_slot[nw] = slot
+                nw += 1
+    order = np.argsort(w_slot[:nw], kind="mergesort")
+    dup = np.zeros(nnew, dtype=np.bool_)
+    for i in range(1, nw):
+        a, b = order[i - 1], order[i]
+        if w_slot[a] == w_slot[b]:
+            dup[w_tok[a]] = True
+            dup[w_tok[b]] = True
+    nkept = 0
+    for r in range(nrows):
+        ok = valid(d, r)
+        cached = rd(d, CL, r)
+        lost = mode[r] == SEED_UNKNOWN
+        o0, o1 = rd(d, NO, r), rd(d, NO, r + 1)
+        link = np.uint64(0)
+        for t in range(o0, o1):
+            j = t - o0
+            tok, pos, slot = rd(d, NT, t), rd(d, NP, t), rd(d, NS, t)
+            g = g_term(tok, pos)
+            link = (np.uint64(seed[r]) * _B + g) if j == 0 else link * _B + g
+            if not (ok and slot >= 0):
+                continue  # padding: advances the chain, writes nothing
+            exp_pos = cached + j
+            stamped = slot < num_slots
+            checks = 0
+            if pos != exp_pos:
+                checks |= _C_WPOS
+            table_slot = lookup(d, r, exp_pos)
+            if table_slot != slot:
+                checks |= _C_WTAB
+            if not stamped:
+                checks |= _C_BAD
+            exp_tok = -1
+            if d[ENT] != 0:
+                exp_tok = rd(d, ENT, t)
+                if exp_tok != -1 and tok != exp_tok:
+                    checks |= _C_WTOK
+            if d[ENP] != 0 and pos != rd(d, ENP, t):
+                checks |= _C_WEPOS
+            content = np.int64(0)
+            if stamped:
+                if has_src:
+                    content = fold_slot(src, runs, keys, slot)
+                sa = stamps + 32 * slot
+                if dup[t]:
+                    checks |= _C_DUP
+                    st_i64(sa, -1)
+                    st_i64(sa + 8, EMPTY_POS)
+                    st_i64(sa + 16, 0)
+                    st_i64(sa + 24, 0)
+                elif lost:
+                    st_i64(sa, -1)
+                    st_i64(sa + 8, UNKNOWN_POS)
+                    st_i64(sa + 16, 0)
+                    st_i64(sa + 24, 0)
+                else:
+                    st_i64(sa, tok)
+                    st_i64(sa + 8, pos)
+                    st_i64(sa + 16, np.int64(link))
+                    st_i64(sa + 24, content)
+                    nkept += 1
+            if checks:
+                record(counters, ring, cap, _SITE_WRITE, checks, step_id, r, slot, exp_pos, exp_tok, tok, pos, 0,
+                       np.int64(link), 0, content, table_slot)
+    bump(counters, _K_STAMPED, nkept)
+    bump(counters, _K_SBYTES, nkept * bps)
+
+
+@njit(**JIT)
+def _scrub(stamps, num_slots, src, runs, keys, slots, esz, n, counters, ring, cap, bps, site):  # type: ignore[no-untyped-def]
+    step_id = ld_i64(counters + 8 * _STEPS)
+    has_src = src.shape[0] > 0
+    live = 0
+    for i in range(n):
+        s = ld_i64(slots + 8 * i) if esz == 8 else ld_i32(slots + 4 * i)
+        if s < 0 or s >= num_slots:
+            continue
+        sa = stamps + 32 * s
+        pos = ld_i64(sa + 8)
+        if pos < 0:
+            continue
+        live += 1
+        exp = fold_slot(src, runs, keys, s) if has_src else np.int64(0)
+        cont = ld_i64(sa + 24)
+        if has_src and cont != exp:
+            record(counters, ring, cap, site, _C_CONT, step_id, -1, s, pos, -1, ld_i64(sa), pos, 0, ld_i64(sa + 16),
+                   exp, cont, -1)
+    bump(counters, _K_SCRUBBED, live)
+    bump(counters, _K_SCBYTES, live * bps)
+
+
+@njit(**JIT)
+def _content(src, runs, keys, num_slots, slots, esz, n, out):  # type: ignore[no-untyped-def]
+    has_src = src.shape[0] > 0
+    for i in range(n):
+        s = ld_i64(slots + 8 * i) if esz == 8 else ld_i32(slots + 4 * i)
+        st_i64(out + 8 * i, fold_slot(src, runs, keys, s) if has_src and 0 <= s < num_slots else 0)
+
+
+@njit(**JIT)
+def _validate(d, num_slots):  # type: ignore[no-untyped-def]
+    """0 when :meth:`kvcanary.step.Step.validate_values` would pass, else 1 (no message: the torch
+    check runs again to word it)."""
+    nrows, nnew = d[NROWS], d[NNEW]
+    if rd(d, NO, 0) != 0 or rd(d, NO, nrows) != nnew:
+        return 1
+    span_max = d[SPAN]
+    bs = d[BSIZE]
+    for r in range(nrows):
+        cnt = rd(d, NO, r + 1) - rd(d, NO, r)
+        cached = rd(d, CL, r)
+        if cnt < 0 or cached < 0:
+            return 1
+        ok = valid(d, r)
+        span = cached + cnt
+        if ok and span > span_max:
+            return 1
+        lo = 0
+        if d[RS] != 0:
+            lo = rd(d, RS, r)
+            if lo < 0 or lo > cached or not (lo < cached or cached == 0 or cnt == 0 or not ok):
+                return 1
+        if d[TR] != 0:
+            t = rd(d, TR, r)
+            if t < 0 or t >= d[TAB + 4]:
+                return 1
+        if d[IS_BLOCK] != 0 and ok:
+            t = table_row(d, r)
+            for c in range(lo // bs, min(d[TAB + 5], (span + bs - 1) // bs)):
+                first = c * bs
+                last_off = min(span, first + bs) - 1 - first
+                limit = (num_slots - 1 - last_off) // bs
+                e = rd2(d, TAB, t, c)
+                if e < 0 or e > limit:
+                    return 1
+    for t in range(nnew):
+        if rd(d, NS, t) >= num_slots or rd(d, NP, t) < 0:
+            return 1
+    return 0
+
+
+# ---- the Python side: descriptors in, the compiled loop, nothing else --------------------------
+
+
+def _ring_args(counters: torch.Tensor, ring: torch.Tensor) -> tuple[int, int, int]:
+    return (checked_out(counters, (NUM_COUNTERS,)), checked_out(ring, (ring.shape[0], NUM_FIELDS)), ring.shape[0])
+
+
+def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Tensor, cursor: torch.Tensor,
+           content_slots: int | None, ring: torch.Tensor, part: int = ALL) -> int:
+    """Verify the reads of ``step`` (``part``: all, or those before / after this step's writes, as
+    :meth:`~kvcanary.step.Step.split_reads` splits them; a step without ``written_from`` has all
+    its reads before). Mutates ``counters``, ``cursor`` and ``ring``; returns the slots verified."""
+    if part == AFTER_WRITES and step.written_from is None:
+        return 0
+    c, rg, cap = _ring_args(counters, ring)
+    st = checked_out(stamps, (stamps.shape[0], 4))
+    return int(_verify(describe(step), st, stamps.shape[0], src.src, src.runs, src.keys, c,
+                       checked_out(cursor, (1,)), -1 if content_slots is None else content_slots, rg, cap,
+                       src.bytes_per_slot, part))
+
+
+def seeds(stamps: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kvcanary.checks.canonical_seeds`."""
+    seed = torch.empty(step.num_rows, dtype=torch.int64)
+    mode = torch.empty(step.num_rows, dtype=torch.int64)
+    _seeds(describe(step), checked_out(stamps, (stamps.shape[0], 4)), stamps.shape[0], seed.numpy(), mode.numpy())
+    return seed, mode
+
+
+def stamp(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Tensor, ring: torch.Tensor,
+          unknown_possible: bool = True) -> None:
+    """Stamp the writes of ``step`` and check them. Mutates ``stamps``, ``counters`` and ``ring``."""
+    c, rg, cap = _ring_args(counters, ring)
+    d = describe(step)
+    st = checked_out(stamps, (stamps.shape[0], 4))
+    seed = np.empty(step.num_rows, dtype=np.int64)
+    mode = np.empty(step.num_rows, dtype=np.int64)
+    _seeds(d, st, stamps.shape[0], seed, mode)
+    _stamp(d, st, stamps.shape[0], src.src, src.runs, src.keys, c, rg, cap, src.bytes_per_slot, seed, mode)
+
+
+def _slots_addr(slots: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
+        raise KvCanaryError(f"slots: expected a 1-d int32 or int64 tensor, got {slots.dtype} {tuple(slots.shape)}")
+    slots = slots.contiguous()
+    return slots, slots.element_size()
+
+
+def scrub(stamps: torch.Tensor, src: SourceTable, slots: torch.Tensor, counters: torch.Tensor, ring: torch.Tensor,
+          site: Site = Site.SCRUB) -> None:
+    """Re-fingerprint the stamped ``slots`` and compare with their stamps (slots outside the pool
+    and unstamped ones are passed over). Mutates ``counters`` and ``ring``."""
+    c, rg, cap = _ring_args(counters, ring)
+    slots, esz = _slots_addr(slots)
+    _scrub(checked_out(stamps, (stamps.shape[0], 4)), stamps.shape[0], src.src, src.runs, src.keys,
+           slots.data_ptr(), esz, slots.shape[0], c, rg, cap, src.bytes_per_slot, int(site))
+
+
+def content(slots: torch.Tensor, src: SourceTable, num_slots: int, out: torch.Tensor) -> None:
+    """Fingerprint ``slots`` into ``out`` (int64 ``[n]``); a slot outside ``[0, num_slots)`` gives 0."""
+    slots, esz = _slots_addr(slots)
+    _content(src.src, src.runs, src.keys, num_slots, slots.data_ptr(), esz, slots.shape[0],
+             checked_out(out, (slots.shape[0],)))
+
+
+def validate(step: Step, num_slots: int) -> None:
+    """:meth:`kvcanary.step.Step.validate_values` at the cost of one pass over the step's rows; on
+    a bad value the torch check runs to word the error."""
+    if _validate(describe(step), num_slots):
+        step.validate_values(num_slots)
+        raise KvCanaryError("kvcanary internal error: the fused step check refused a step the torch check accepts")
