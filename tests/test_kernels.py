@@ -113,7 +113,8 @@ def test_canary_triton_backend_equals_torch_backend_on_an_engine_run():
 
 
 def test_dispatch():
-    assert Canary(8, config=CanaryConfig()).backend == "torch"
+    assert Canary(8, config=CanaryConfig()).backend == "fused"  # a CPU pool
+    assert Canary(8, config=CanaryConfig(backend="torch")).backend == "torch"
     if torch.cuda.is_available():
         assert Canary(8, device="cuda").backend == "triton"
     with pytest.raises(UnsupportedError, match="device: expected cpu or cuda, got meta"):

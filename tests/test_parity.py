@@ -241,3 +241,15 @@ def test_every_op_has_three_implementations_a_parity_test_and_a_benchmark():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert set(mod.CASES) == set(ops.OPS), "bench/ops.py times every op of the table"
+
+
+def test_without_numba_the_cpu_backend_is_torch_and_asking_for_fused_is_refused(monkeypatch, caplog):
+    from kvcanary import Canary, CanaryConfig, UnsupportedError
+    from kvcanary import fused
+
+    monkeypatch.setattr(fused, "_why", ["ModuleNotFoundError: No module named 'numba'"])
+    with caplog.at_level("WARNING", logger="kvcanary"):
+        assert Canary(8).backend == "torch"
+    assert "fused CPU path is unavailable (ModuleNotFoundError" in caplog.text
+    with pytest.raises(UnsupportedError, match="backend 'fused' needs numba: ModuleNotFoundError"):
+        Canary(8, config=CanaryConfig(backend="fused"))

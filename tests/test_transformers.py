@@ -55,13 +55,7 @@ def test_clean_prefix_sharing_and_identical_outputs(llama):
 
 
 def test_sliding_window_and_hybrid_groups():
-    common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(1)
-    hybrid = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        use_sliding_window=True, sliding_window=12, layer_types=["sliding_attention", "full_attention"] * 2, **common))
-    hybrid.config._attn_implementation = "sdpa"
-    for model in (tiny_model(seed=0, layers=2, sliding_window=12), hybrid.eval()):
+    for model in (tiny_model(seed=0, layers=2, sliding_window=12), _hybrid()):
         ps = prompts(8, seed=3)
         base, _ = generate(model, ps)
         out, guard = generate(model, ps, CanaryConfig(mode="raise", content_budget_bytes=None))
@@ -203,14 +197,15 @@ def test_decode_fast_path_steps_match_the_read_index_steps(llama):
     assert seen["decodes"] > 5 and seen["reported"] > 0 and guard.stats()["violations"] == 0
 
 
-def test_token_book_streams_and_recycles_rows():
+@pytest.mark.parametrize("fused", [False, True])
+def test_token_book_streams_and_recycles_rows(fused):
     from kvcanary.engines.token_book import TokenBook
 
     class S:
         def __init__(self, rid, init, gen):
             self.request_id, self.initial_tokens, self.generated_tokens = rid, init, gen
 
-    book = TokenBook()
+    book = TokenBook(fused=fused)
     a, b = S("a", [1, 2, 3], []), S("b", [9] * 300, [])
     assert book.streams([a, b], [3, 300], 301)[0, :4].tolist() == [1, 2, 3, -1]
     a.generated_tokens += [4, 5]
@@ -220,6 +215,7 @@ def test_token_book_streams_and_recycles_rows():
     book.forget_except({"b"})
     c = S("c", [7], [])
     assert book.streams([c], [1], 2).tolist() == [[7, -1]] and book.row["c"] == row_a
+    assert book.streams([b, c], [4, 1], 3).tolist() == [[9, 9, 9], [7, -1, -1]]  # a window narrower than a stream
 
 
 def test_demo_main_job_reports_a_clean_run_and_every_injected_detection(capsys):
@@ -252,3 +248,48 @@ def test_forked_requests_carry_stamps_to_copied_blocks(llama, monkeypatch):
     monkeypatch.setattr(Protection, "copied", lambda *a: None)  # without it, a fork reads unstamped copies
     _, blind = run()
     assert any(v.checks & (Check.EMPTY | Check.POSITION | Check.LINK) for v in blind.violations)
+
+
+def _hybrid():
+    """A Qwen2 model alternating sliding-window (12) and full-attention layers."""
+    common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(1)
+    m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        use_sliding_window=True, sliding_window=12, layer_types=["sliding_attention", "full_attention"] * 2, **common))
+    m.config._attn_implementation = "sdpa"
+    return m.eval()
+
+
+@pytest.mark.parametrize("which", ["llama", "hybrid"])
+def test_fused_step_building_equals_the_torch_construction(llama, which):
+    """On a CPU pool the fused backend fills each forward's tables with compiled loops: every field
+    of every group's step equals the torch construction's, on a run with shared prefixes, memory
+    pressure and (hybrid) sliding-window groups."""
+    seen = {"forwards": 0, "reads": 0}
+
+    def compare(prot, runner, batch):
+        from kvcanary.engines.transformers_hooks import host_io
+
+        reqs = list(host_io(runner.inputs_and_outputs).requests_in_batch)
+        if not reqs:
+            return
+        a = prot.build_steps(runner, batch, reqs)
+        b = type(prot).build_steps.__globals__["build_steps"](prot.groups, prot.book, runner, batch, reqs, fused=False)
+        assert a.keys() == b.keys()
+        for name in a:
+            for f in a[name].__dataclass_fields__:
+                x, y = getattr(a[name], f), getattr(b[name], f)
+                if f == "slot_table":  # without the scratch row and column (the torch build's landing spot)
+                    x, y = x[:-1, :-1], y[:-1, :-1]
+                if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+                    assert x is not None and y is not None and torch.equal(x.long(), y.long()), (name, f)
+                else:
+                    assert x == y, (name, f)
+            seen["reads"] += int((a[name].cached_lens - a[name].starts()).sum())
+        seen["forwards"] += 1
+
+    model = llama if which == "llama" else _hybrid()
+    out, guard = generate(model, prompts(10, seed=4), CanaryConfig(mode="raise"), hooks=[compare], num_blocks=24)
+    assert guard.groups and next(iter(guard.groups.values())).canary.backend == "fused"
+    assert seen["forwards"] > 10 and seen["reads"] > 100 and guard.stats()["violations"] == 0

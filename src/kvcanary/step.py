@@ -68,6 +68,21 @@ class Step:
     expected_new_positions: torch.Tensor | None = None
     written_from: torch.Tensor | None = None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__.pop("_memo", None)  # a field assigned anew: the cached shape check and descriptor go
+        object.__setattr__(self, name, value)
+
+    def memo(self) -> dict[str, Any]:
+        """What the canary caches about this step between its calls: the passed shape check and the
+        fused path's descriptor of the tensors. Assigning any field drops it; writing a tensor's
+        values in place keeps it (values are checked every call); resizing a step's tensor in place
+        (``resize_``, ``set_``) after the canary has seen the step is not supported: assign a new
+        tensor instead."""
+        m = self.__dict__.get("_memo")
+        if m is None:
+            m = self.__dict__["_memo"] = {}
+        return m  # type: ignore[no-any-return]
+
     @property
     def num_rows(self) -> int:
         return int(self.cached_lens.shape[0])
@@ -90,7 +105,15 @@ class Step:
         return int(self.table.shape[1]) * self.block_size
 
     def validate_shapes(self) -> None:
-        """Check kinds, dtypes, shapes and devices (no value reads: safe under graph capture)."""
+        """Check kinds, dtypes, shapes and devices (no value reads: safe under graph capture); once
+        per step object until a field is assigned (:meth:`memo`)."""
+        memo = self.memo()
+        if memo.get("shapes_ok"):
+            return
+        self._validate_shapes()
+        memo["shapes_ok"] = True
+
+    def _validate_shapes(self) -> None:
         for name in _TENSOR_FIELDS:  # kinds first: the shape checks below read .shape and .device
             v = getattr(self, name)
             if v is not None and not isinstance(v, torch.Tensor):

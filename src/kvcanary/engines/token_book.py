@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -14,7 +15,8 @@ class TokenBook:
     write; rows of requests that left the cache are recycled.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
+        self.fused = fused  # compiled loops for the reads and writes (CPU, the fused backend's)
         self.buf = torch.full((16, 256), -1, dtype=torch.int64)
         self.row: dict[str, int] = {}
         self.have: dict[str, int] = {}
@@ -63,12 +65,23 @@ class TokenBook:
             grown = torch.full((self.buf.shape[0], 2 * need), -1, dtype=torch.int64)
             grown[:, : self.buf.shape[1]] = self.buf
             self.buf = grown
-        if vals:
+        if vals and self.fused:
+            from kvcanary.fused.steps import book_write
+
+            book_write(self.buf.numpy(), np.array(rr, dtype=np.int64), np.array(pp, dtype=np.int64),
+                       np.array(vals, dtype=np.int64))
+        elif vals:
             self.buf[torch.tensor(rr), torch.tensor(pp)] = torch.tensor(vals, dtype=torch.int64)
 
     def _window(self, rows: list[int], upto: list[int], width: int) -> torch.Tensor:
         if width > self.buf.shape[1]:
             self._write([], [], [], width)
+        if self.fused:
+            from kvcanary.fused.steps import book_window
+
+            win = torch.empty((len(rows), width), dtype=torch.int64)
+            book_window(self.buf.numpy(), np.array(rows, dtype=np.int64), np.array(upto, dtype=np.int64), win.numpy())
+            return win
         out = self.buf[torch.tensor(rows, dtype=torch.int64), :width]
         return torch.where(torch.arange(width) < torch.tensor(upto)[:, None], out, -1)
 

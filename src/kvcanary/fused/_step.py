@@ -20,7 +20,11 @@ _ONE_D = ("cached_lens", "new_offsets", "new_tokens", "new_positions", "new_slot
 
 def describe(step: Step) -> np.ndarray:
     """The descriptor of ``step`` (shapes already checked); it points into the step's tensors, which
-    must outlive its use."""
+    must outlive its use. Kept in the step's :meth:`~kvcanary.step.Step.memo` for its next op."""
+    memo = step.memo()
+    got = memo.get("fused_desc")
+    if got is not None:
+        return got  # type: ignore[no-any-return]
     d: list[int] = []
     for name in _ONE_D:
         d += addr(getattr(step, name))
@@ -28,7 +32,8 @@ def describe(step: Step) -> np.ndarray:
     d += addr2(step.table)
     d += addr2(step.expected_tokens)
     d += (step.num_rows, step.num_new, step.block_size, int(block), step.table_span)
-    return np.array(d, dtype=np.int64)
+    out = memo["fused_desc"] = np.array(d, dtype=np.int64)
+    return out
 
 
 @njit(inline="always", **JIT)
