@@ -24,6 +24,8 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--repeats", type=int, default=9)
 ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+ap.add_argument("--memory", action="store_true",
+                help="only the allocations of verify per read slot (torch profiler's memory view, tracemalloc)")
 ap.add_argument("--backends", default=None, help="comma-separated (default: every backend this machine runs)")
 ARGS = ap.parse_args() if __name__ == "__main__" else ap.parse_args([])
 os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))
@@ -163,8 +165,47 @@ def hardware(quick: bool) -> dict:
     return out
 
 
+def verify_allocations(backend: str) -> dict:
+    """Bytes verify allocates per call at two read-set sizes (16 x 256 and 16 x 4K decode, 256 KiB
+    budget): torch tensors from the profiler's memory view, host arrays (numpy) from tracemalloc.
+    The growth per added read slot is what scales with the read set."""
+    import tracemalloc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for ctx in (256, 4096):
+        layout, n = _pool(16 * (ctx // 16 + 2) + 8)
+        env = Env(backend, layout, n)
+        pre, dec = _decode(16, ctx, n)
+        env.ops["stamp"](env.stamps, env.table, pre, env.counters, env.ring)
+        budget = (256 << 10) // layout.content_bytes_per_slot
+
+        def call() -> None:
+            env.ops["verify"](env.stamps, env.table, dec, env.counters, env.cursor, budget, env.ring, 0)
+
+        call()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            call()
+        torch_bytes = sum(max(0, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0
+                          and not e.cpu_children)  # leaf events: each allocation counted once
+        tracemalloc.start()
+        call()
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        out[ctx] = (16 * ctx, torch_bytes, peak)
+    (s0, t0, h0), (s1, t1, h1) = out[256], out[4096]
+    return dict(case="verify_allocations", backend=backend, read_slots=[s0, s1], torch_alloc_bytes=[t0, t1],
+                host_peak_bytes=[h0, h1], torch_bytes_per_added_read_slot=round((t1 - t0) / (s1 - s0), 2),
+                host_bytes_per_added_read_slot=round((h1 - h0) / (s1 - s0), 2))
+
+
 def main() -> None:
     torch.set_num_threads(ARGS.threads)
+    if ARGS.memory:
+        for b in ARGS.backends.split(",") if ARGS.backends else ["torch", "fused"]:
+            print(json.dumps(verify_allocations(b)), flush=True)
+        return
     backends = ARGS.backends.split(",") if ARGS.backends else ["torch", "fused"]
     hw = hardware(ARGS.quick)
     print(json.dumps(hw), flush=True)
