@@ -253,3 +253,27 @@ def test_without_numba_the_cpu_backend_is_torch_and_asking_for_fused_is_refused(
     assert "fused CPU path is unavailable (ModuleNotFoundError" in caplog.text
     with pytest.raises(UnsupportedError, match="backend 'fused' needs numba: ModuleNotFoundError"):
         Canary(8, config=CanaryConfig(backend="fused"))
+
+
+def test_fused_written_from_equals_the_torch_construction():
+    """Where each row's reads of this step's own writes start (vLLM hands out a prefix-cache hit
+    before its KV exists), on random steps where some new tokens write slots other rows read."""
+    from kvcanary.engines.base import written_from
+
+    rng = random.Random(5)
+    hits = 0
+    for i in range(120):
+        bs = rng.choice([1, 4, 16])
+        _, _, n, step, _ = _setup("fused", bs, rng.choice(["block", "token"]), "none", i)
+        for _ in range(rng.randint(0, 3)):  # a new token writes a slot some row reads
+            if step.num_new:
+                r = rng.randrange(step.num_rows)
+                c = int(step.cached_lens[r])
+                if c:
+                    step.new_slots[rng.randrange(step.num_new)] = step.lookup(torch.tensor([r]),
+                                                                             torch.tensor([rng.randrange(c)]))[0]
+        step = _mangle(step, rng)
+        want, got = written_from(step, fused=False), written_from(step, fused=True)
+        assert torch.equal(want, got), (i, want.tolist(), got.tolist())
+        hits += int((want < step.cached_lens.long()).sum())
+    assert hits > 30  # the runs had rows whose reads this step writes

@@ -158,8 +158,18 @@ def step_from_block_table(block_table: torch.Tensor, block_size: int, query_star
     return step
 
 
-def written_from(step: Step) -> torch.Tensor:
-    """Per row, the first cached position whose slot this step writes (``cached_len`` if none)."""
+def written_from(step: Step, fused: bool | None = None) -> torch.Tensor:
+    """Per row, the first cached position whose slot this step writes (``cached_len`` if none).
+    On a CPU step with the fused path available (``fused=None``: whenever it is), one compiled pass
+    over the table entries; otherwise a ``[rows, max cached]`` lookup and ``isin``."""
+    if fused is None:
+        from kvcanary.fused import available
+
+        fused = step.cached_lens.device.type == "cpu" and available() is None
+    if fused:
+        from kvcanary.fused.steps import written_from as fused_written_from
+
+        return fused_written_from(step)
     cached = step.cached_lens.long()
     width = max(1, int(cached.max()) if cached.numel() else 1)
     pos = torch.arange(width, device=cached.device)

@@ -1,13 +1,18 @@
-"""Step building for engine adapters on CPU pools, as compiled loops: the slot table of a forward
-from the engine's flat read and write indices (transformers continuous batching), bit for bit the
-torch construction in :func:`kvcanary.engines.transformers_steps.build_steps`."""
+"""Step building for engine adapters on CPU pools, as compiled loops, each equal to the torch
+construction it replaces: the slot table of a forward from the engine's flat read and write indices
+(transformers continuous batching, :func:`kvcanary.engines.transformers_steps.build_steps`), the
+token book's reads and writes, and where each row's reads of this step's own writes start
+(:func:`kvcanary.engines.base.written_from`, vLLM)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit
 
 from kvcanary.fused._core import JIT
+from kvcanary.fused._step import BSIZE, CL, IS_BLOCK, NNEW, NROWS, NS, describe, lookup, rd
+from kvcanary.step import Step
 
 
 @njit(**JIT)
@@ -64,3 +69,49 @@ def book_window(buf, rows, upto, out):  # type: ignore[no-untyped-def]
 def book_write(buf, rr, pp, vals):  # type: ignore[no-untyped-def]
     for i in range(rr.shape[0]):
         buf[rr[i], pp[i]] = vals[i]
+
+
+@njit(**JIT)
+def _written_from(d, out):  # type: ignore[no-untyped-def]
+    nnew = d[NNEW]
+    new = np.empty(nnew, dtype=np.int64)
+    m = 0
+    for t in range(nnew):
+        s = rd(d, NS, t)
+        if s >= 0:
+            new[m] = s
+            m += 1
+    new = np.sort(new[:m])
+    bs = d[BSIZE]
+    for r in range(d[NROWS]):
+        cached = rd(d, CL, r)
+        first = cached
+        if d[IS_BLOCK] != 0:
+            for c in range((max(cached, 0) + bs - 1) // bs):
+                s = lookup(d, r, c * bs)  # the block's first slot; a negative one holds no written slot
+                if s < 0:
+                    continue
+                i = np.searchsorted(new, s)
+                if i < m and new[i] < s + bs:
+                    pos = c * bs + (new[i] - s)
+                    if pos < cached:
+                        first = pos
+                        break
+        else:
+            for p in range(max(cached, 0)):
+                s = lookup(d, r, p)
+                i = np.searchsorted(new, s)
+                if s >= 0 and i < m and new[i] == s:
+                    first = p
+                    break
+        out[r] = first
+
+
+def written_from(step: Step) -> torch.Tensor:
+    """:func:`kvcanary.engines.base.written_from` on a CPU step: per row, the first cached position
+    whose slot this step writes (``cached_len`` if none), by one pass over each row's table
+    entries against the sorted written slots."""
+    step.validate_shapes()
+    out = torch.empty(step.num_rows, dtype=torch.int64)
+    _written_from(describe(step), out.numpy())
+    return out
