@@ -124,6 +124,7 @@ class Canary:
         self.ring = ViolationRing(self.config.ring_capacity, self.device)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.scrub_cursor = 0
+        self.scrub_passes = 0  # complete patrol passes over the pool
         self.internal_errors = 0
         self.disabled = False  # set when even forgetting every stamp failed: nothing is checked after
         self.unknown_possible = False  # some slot may be unknown: stamping seeds such rows from the prefix
@@ -290,6 +291,7 @@ class Canary:
         if slots is None:
             n = min(self.config.scrub_slots, self.num_slots)
             slots = (torch.arange(n, device=self.device) + self.scrub_cursor) % self.num_slots
+            self.scrub_passes += (self.scrub_cursor + n) // self.num_slots
             self.scrub_cursor = (self.scrub_cursor + n) % self.num_slots
         else:
             slots = self._slots_arg("slots", slots)
@@ -369,7 +371,26 @@ class Canary:
         out = self.ring.counter_values()
         out["violations_lost"] = self.ring.lost
         out["internal_errors"] = self.internal_errors
+        out["scrub_passes"] = self.scrub_passes
+        out["scrub_position"] = self.scrub_cursor
+        out["num_slots"] = self.num_slots
         return out
+
+    def coverage(self) -> dict[str, float]:
+        """How much the checks covered, as shares: of read slots, those whose bytes were
+        re-fingerprinted (``content_verified``) and those in the unknown state
+        (``unverifiable``); the patrol scrub's passes over the pool (``scrub_passes``, with the
+        fraction of the current one)."""
+        return coverage_of(self.stats())
+
+
+def coverage_of(stats: dict[str, int]) -> dict[str, float]:
+    """:meth:`Canary.coverage` from (summed) stats."""
+    read = stats.get("slots_verified", 0)
+    share = (lambda k: stats.get(k, 0) / read) if read else (lambda k: 0.0)
+    pool = stats.get("num_slots", 0)
+    return {"content_verified": share("content_slots_verified"), "unverifiable": share("slots_unverifiable"),
+            "scrub_passes": stats.get("scrub_passes", 0) + (stats.get("scrub_position", 0) / pool if pool else 0.0)}
 
 
 def report(found: list[Violation], lost: int, mode: str,

@@ -43,6 +43,9 @@ class CanaryConfig:
     history : decoded violations kept on the canary for inspection
     violations_log : a file that every drained violation event is appended to as one JSON line
         (:mod:`kvcanary.eventlog`; the same format for every engine and process), or ``None``
+    metrics : keep Prometheus metrics (:mod:`kvcanary.metrics`; needs prometheus-client)
+    metrics_port : also serve them over HTTP on this port, one exporter per process (implies
+        ``metrics``); ``None``: no exporter of kvcanary's own
     """
 
     mode: Mode = "log"
@@ -54,6 +57,8 @@ class CanaryConfig:
     scrub_slots: int = 4096
     history: int = 10_000
     violations_log: str | None = None
+    metrics: bool = False
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,6 +78,10 @@ class CanaryConfig:
                 raise ConfigError(f"{name}: expected >= 1, got {v}")
         if self.violations_log is not None and not (isinstance(self.violations_log, str) and self.violations_log):
             raise ConfigError(f"violations_log: expected a file path or None, got {_shown(self.violations_log)}")
+        if not isinstance(self.metrics, bool):
+            raise ConfigError(f"metrics: expected True or False, got {_shown(self.metrics)}")
+        if self.metrics_port is not None and not (_is_int(self.metrics_port) and 0 < self.metrics_port < 65536):
+            raise ConfigError(f"metrics_port: expected a TCP port in 1 .. 65535 or None, got {_shown(self.metrics_port)}")
         if self.validate is not None and not isinstance(self.validate, bool):
             raise ConfigError(f"validate: expected True, False or None, got {_shown(self.validate)}")
 
@@ -141,6 +150,8 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_SCRUB_SLOTS": ("scrub_slots", _int),
     "KVCANARY_BACKEND": ("backend", str),
     "KVCANARY_VIOLATIONS_LOG": ("violations_log", str),
+    "KVCANARY_METRICS": ("metrics", _bool),
+    "KVCANARY_METRICS_PORT": ("metrics_port", _int),
 }
 
 assert {f for f, _ in ENV.values()} <= {f.name for f in fields(CanaryConfig)}

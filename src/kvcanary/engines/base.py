@@ -26,6 +26,7 @@ from kvcanary.canary import Canary, report
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.token_book import TokenBook
 from kvcanary.errors import KvCorruptionError
+from kvcanary.metrics import Metrics, process_metrics, serve
 from kvcanary.step import Step
 from kvcanary.violations import Violation
 
@@ -54,10 +55,36 @@ class Adapter:
         self.internal_errors = 0
         self.seconds = 0.0
         self.pending: BaseException | None = None
+        self.metrics: Metrics | None = None
+        if config.metrics or config.metrics_port is not None:
+            self.metrics = process_metrics()  # a clear error here when prometheus-client is missing
+            if config.metrics_port is not None:
+                serve(config.metrics_port)
+        self._published = 0.0
 
     def canaries(self) -> Iterable[Canary]:
         """The adapter's canaries (one per layer group, worker or rank)."""
         return ()
+
+    def named_canaries(self) -> dict[str, Canary]:
+        """The adapter's canaries by the name of what each watches (a layer group, a pool)."""
+        return {str(i): c for i, c in enumerate(self.canaries())}
+
+    def metric_labels(self) -> dict[str, str]:
+        """The labels of this adapter's metrics (:data:`kvcanary.metrics.LABELS`, less ``group``)."""
+        return {"engine": self.engine, "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
+
+    def publish_metrics(self, force: bool = False) -> None:
+        """Bring the Prometheus metrics up to date (at most once a second unless ``force``)."""
+        if self.metrics is None or (not force and time.monotonic() - self._published < 1.0):
+            return
+        self._published = time.monotonic()
+        labels = self.metric_labels()
+        for i, (name, c) in enumerate(self.named_canaries().items()):
+            st = c.stats()
+            if i == 0:  # the adapter's own failures, counted once
+                st["internal_errors"] = st.get("internal_errors", 0) + self.internal_errors
+            self.metrics.publish(c, st, {**labels, "group": name})
 
     def work_context(self) -> ContextManager[Any]:
         """Where the canary's work runs (the forward's stream, one thread...); override per engine."""
@@ -100,6 +127,8 @@ class Adapter:
         if not found:
             return
         self.violations += found
+        if self.metrics is not None:
+            self.metrics.count(found, self.metric_labels())
         mode = "log" if self.config.mode == "quarantine" else self.config.mode
         try:
             self.internal_errors += report(found, 0, mode, [self.on_violation] if self.on_violation else [],

@@ -115,6 +115,7 @@ class Protection(Adapter):
             cb_hooks.BY_POOL.pop(id(self.cache.pool), None)
         if not cb_hooks.ACTIVE:
             cb_hooks.uninstall()
+        self.shielded("the final metrics update", self.publish_metrics, True)
         if exc_type is None:
             self.raise_pending()  # a raise-mode error that no generate_batch call has raised yet
 
@@ -154,6 +155,9 @@ class Protection(Adapter):
 
     def canaries(self) -> list[Any]:
         return [g.canary for g in self.groups.values()]
+
+    def named_canaries(self) -> dict[str, Any]:
+        return {name: g.canary for name, g in self.groups.items()}
 
     def stats(self) -> dict[str, int]:
         out = super().stats()
@@ -222,6 +226,7 @@ class Protection(Adapter):
             self.groups[name].canary.after_forward(step)
         self.forwards += 1
         self.poll()
+        self.publish_metrics()
         if self.forwards % 64 == 0 and self.cache is not None:  # requests that left the cache
             self.book.forget_except({rid for a in self.cache.cache_allocators.values() for rid in a.block_table})
 

@@ -144,6 +144,13 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
     def canaries(self) -> list[Canary]:
         return [self.canary] if self.canary is not None else []
 
+    def named_canaries(self) -> dict[str, Canary]:
+        return {"kv": self.canary} if self.canary is not None else {}
+
+    def metric_labels(self) -> dict[str, str]:
+        return {"engine": self.engine, "tp_rank": str(self.rank), "pp_rank": str(_pp_rank()),
+                "dp_rank": str(getattr(self._vllm_config.parallel_config, "data_parallel_rank", 0))}
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.shielded("register_kv_caches", self._register, kv_caches)
 
@@ -196,6 +203,7 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         self.canary.after_forward(self._step)
         self.forwards += 1
         self.report([_named(v, self._rows) for v in self.canary.drain()], rank=self.rank)
+        self.publish_metrics()
         if self.stamp_store:
             self._store()
 
@@ -296,6 +304,15 @@ def _block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
 def _named(v: Violation, rids: list[str]) -> Violation:
     rid = rids[v.row] if 0 <= v.row < len(rids) and rids[v.row] else None
     return dataclasses.replace(v, request=rid)
+
+
+def _pp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+    except Exception:  # not initialised (scheduler side)
+        return 0
 
 
 def _rank() -> int:
