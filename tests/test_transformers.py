@@ -197,15 +197,14 @@ def test_decode_fast_path_steps_match_the_read_index_steps(llama):
     assert seen["decodes"] > 5 and seen["reported"] > 0 and guard.stats()["violations"] == 0
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_token_book_streams_and_recycles_rows(fused):
+def test_token_book_streams_and_recycles_rows():
     from kvcanary.engines.token_book import TokenBook
 
     class S:
         def __init__(self, rid, init, gen):
             self.request_id, self.initial_tokens, self.generated_tokens = rid, init, gen
 
-    book = TokenBook(fused=fused)
+    book = TokenBook()
     a, b = S("a", [1, 2, 3], []), S("b", [9] * 300, [])
     assert book.streams([a, b], [3, 300], 301)[0, :4].tolist() == [1, 2, 3, -1]
     a.generated_tokens += [4, 5]

@@ -77,10 +77,25 @@ def test_multiprocess_engine_through_the_flag_alone_logs_to_the_jsonl_file(tiny_
     from kvcanary import eventlog
 
     base = engine(tiny_llama, max_seqs=4)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "KVCANARY_VIOLATIONS_LOG": str(tmp_path / "clean.jsonl")}
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "KVCANARY_VIOLATIONS_LOG": str(tmp_path / "clean.jsonl"),
+           "KVCANARY_METRICS": "1", "PROMETHEUS_MULTIPROC_DIR": str(prom)}
     clean = engine(tiny_llama, canary=True, max_seqs=4, env=env)
     assert not os.path.exists(tmp_path / "clean.jsonl")  # no event: nothing was written
     assert sorted(clean["tokens"].values()) == sorted(base["tokens"].values())
+    # the worker process's metrics, collected from the multiprocess directory as vLLM's server does
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(prom))
+    got = {(s.name, s.labels.get("engine"), s.labels.get("tp_rank")): s.value
+           for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
+    assert got.get(("kvcanary_slots_verified_total", "vllm", "0"), 0) > 0
+    assert got.get(("kvcanary_slots_stamped_total", "vllm", "0"), 0) > 0
+    assert got.get(("kvcanary_violations_total", "vllm", "0"), 0) == 0
     env = {**env, "KVCANARY_VIOLATIONS_LOG": str(tmp_path / "fault.jsonl"), "KVCANARY_TEST_FAULT": "flip_v",
            "PYTHONPATH": os.path.join(HERE, "fault_plugin")}
     engine(tiny_llama, canary=True, max_seqs=4, env=env)

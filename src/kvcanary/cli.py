@@ -28,6 +28,16 @@ EXIT_CODES = """exit status:
   2  bad usage or a missing optional dependency"""
 
 
+def _coverage(st: dict) -> dict[str, float]:
+    """The coverage figures of a summary: shares of read slots content-verified and unknown, and
+    the patrol scrub's passes over the pool."""
+    from kvcanary.canary import coverage_of
+
+    c = coverage_of(st)
+    return {"content_verified_share": round(c["content_verified"], 4), "unverifiable_share": round(c["unverifiable"], 4),
+            "scrub_passes": round(c["scrub_passes"], 2)}
+
+
 def _scripted_run(args: argparse.Namespace) -> int:
     from kvcanary.canary import Canary
     from kvcanary.sim import workload
@@ -67,6 +77,7 @@ def _scripted_run(args: argparse.Namespace) -> int:
         "content_bytes_stamped": st["content_bytes_stamped"],
         "content_bytes_verified": st["content_bytes_verified"],
         "slots_unverifiable": st["slots_unverifiable"],  # read but never seen written (counted, not checked)
+        **_coverage(st),
         "violations": st["violations"],
         "internal_errors": st["internal_errors"],
         "wall_s": round(wall, 3),
@@ -173,6 +184,7 @@ def _transformers_run(args: argparse.Namespace) -> int:
         "slots_stamped": st["slots_stamped"],
         "content_bytes_checked": st["content_bytes_verified"] + st["content_bytes_stamped"],
         "slots_unverifiable": st["slots_unverifiable"],  # read but never seen written (counted, not checked)
+        **_coverage(st),
         "violations": st["violations"],
         "internal_errors": st["internal_errors"],
         "outputs_identical": same,
@@ -255,7 +267,9 @@ def _selftest(args: argparse.Namespace) -> int:
         print(f"{r['fault']:<30} {zoo:<15} {r['expected']:<16} {r['engine']:<13} {det:<9} {fwd_s:<5} {fired}{mark}")
     if soak["ran"]:
         print(f"\nclean soak: {soak['steps']} steps, {soak['slots_verified']} slots verified, "
-              f"{soak['false_positives']} false positives")
+              f"{soak['false_positives']} false positives; content re-verified on "
+              f"{100 * soak['content_verified_share']:.1f}% of reads, {100 * soak['unverifiable_share']:.2f}% "
+              f"unknown, {soak['scrub_passes']} scrub passes")
     else:
         print("\nclean soak: not run (--soak 0)")
     print("selftest " + ("passed" if ok else "FAILED"))
@@ -348,7 +362,7 @@ def _soak(steps: int, say: Callable[..., None]) -> dict[str, Any]:
     say(f"  clean soak of {steps} randomized steps ...")
     st = runner.soak(steps, progress=lambda n: say(f"    {n}/{steps} steps"))
     return {"ran": True, "steps": st["soak_steps"], "false_positives": st["violations"] + st["internal_errors"],
-            "slots_verified": st["slots_verified"]}
+            "slots_verified": st["slots_verified"], **_coverage(st)}
 
 
 def _count(minimum: int) -> Callable[[str], int]:

@@ -11,12 +11,11 @@ import torch
 class TokenBook:
     """Every live request's real token stream, in one growing ``[rows, capacity]`` tensor (-1 pad).
 
-    Each forward appends only the tokens not seen before, with one tensor build and one indexed
-    write; rows of requests that left the cache are recycled.
+    Each forward appends only the tokens not seen before, with one indexed write; rows of requests
+    that left the cache are recycled. Reads and writes go through numpy (the buffer is on the host).
     """
 
-    def __init__(self, fused: bool = False) -> None:
-        self.fused = fused  # compiled loops for the reads and writes (CPU, the fused backend's)
+    def __init__(self) -> None:
         self.buf = torch.full((16, 256), -1, dtype=torch.int64)
         self.row: dict[str, int] = {}
         self.have: dict[str, int] = {}
@@ -65,25 +64,15 @@ class TokenBook:
             grown = torch.full((self.buf.shape[0], 2 * need), -1, dtype=torch.int64)
             grown[:, : self.buf.shape[1]] = self.buf
             self.buf = grown
-        if vals and self.fused:
-            from kvcanary.fused.steps import book_write
-
-            book_write(self.buf.numpy(), np.array(rr, dtype=np.int64), np.array(pp, dtype=np.int64),
-                       np.array(vals, dtype=np.int64))
-        elif vals:
-            self.buf[torch.tensor(rr), torch.tensor(pp)] = torch.tensor(vals, dtype=torch.int64)
+        if vals:  # numpy indexing: a few microseconds where torch ops on small lists cost tens
+            self.buf.numpy()[rr, pp] = vals
 
     def _window(self, rows: list[int], upto: list[int], width: int) -> torch.Tensor:
         if width > self.buf.shape[1]:
             self._write([], [], [], width)
-        if self.fused:
-            from kvcanary.fused.steps import book_window
-
-            win = torch.empty((len(rows), width), dtype=torch.int64)
-            book_window(self.buf.numpy(), np.array(rows, dtype=np.int64), np.array(upto, dtype=np.int64), win.numpy())
-            return win
-        out = self.buf[torch.tensor(rows, dtype=torch.int64), :width]
-        return torch.where(torch.arange(width) < torch.tensor(upto)[:, None], out, -1)
+        out = self.buf.numpy()[rows, :width]  # a copy (fancy indexing)
+        out[np.arange(width)[None, :] >= np.asarray(upto)[:, None]] = -1
+        return torch.from_numpy(out)
 
     def _free_row(self) -> int:
         used = set(self.row.values())

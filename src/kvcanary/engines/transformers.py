@@ -193,8 +193,6 @@ class Protection(Adapter):
 
     def build_steps(self, runner: Any, batch: dict, reqs: list | None = None) -> dict[str, Step]:
         """One Step per layer group from a forward's own metadata (see :func:`transformers_steps.build_steps`)."""
-        if self.groups:
-            self.book.fused = next(iter(self.groups.values())).canary.backend == "fused"
         return build_steps(self.groups, self.book if self.check_tokens else None, runner, batch, reqs)
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:

@@ -8,13 +8,39 @@ _why: list[str | None] = []
 
 
 def available() -> str | None:
-    """``None`` when the fused path works on this machine, else why not (checked once)."""
+    """``None`` when the fused path works on this machine, else why not (checked once per process,
+    by running every compiled loop once on a tiny pool: compiling them, or loading them from the
+    disk cache, happens here, when a canary is made, and not in an engine's first forwards)."""
     if not _why:
         try:
-            import numba  # noqa: F401
-
-            from kvcanary.fused import ops  # noqa: F401
+            _warm_up()
             _why.append(None)
         except Exception as e:  # an absent or broken numba: the torch path takes over
             _why.append(f"{type(e).__name__}: {e}")
     return _why[0]
+
+
+def _warm_up() -> None:
+    import torch
+
+    from kvcanary.fused import ops, steps
+    from kvcanary.fused._core import SourceTable
+    from kvcanary.layout import ByteSource, KvLayout
+    from kvcanary.step import Step
+    from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS
+
+    kv = torch.zeros(2, 4, 16, dtype=torch.int64)
+    table = SourceTable(KvLayout((ByteSource.from_tensor("w", kv, page_size=4),)))
+    stamps = torch.full((8, 4), -1, dtype=torch.int64)
+    counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64)
+    ring = torch.zeros(4, NUM_FIELDS, dtype=torch.int64)
+    one = torch.ones(1, dtype=torch.int64)
+    step = Step(cached_lens=one, new_offsets=torch.tensor([0, 1]), new_tokens=one, new_positions=one,
+                new_slots=one, block_table=torch.zeros(1, 2, dtype=torch.int64), block_size=4)
+    step.validate_shapes()
+    ops.validate(step, 8)
+    ops.stamp(stamps, table, step, counters, ring)
+    ops.verify(stamps, table, step, counters, torch.zeros(1, dtype=torch.int64), None, ring)
+    ops.scrub(stamps, table, one, counters, ring)
+    ops.content(one, table, 8, torch.zeros(1, dtype=torch.int64))
+    steps.written_from(step)

@@ -1,7 +1,6 @@
 """Step building for engine adapters on CPU pools, as compiled loops, each equal to the torch
 construction it replaces: the slot table of a forward from the engine's flat read and write indices
-(transformers continuous batching, :func:`kvcanary.engines.transformers_steps.build_steps`), the
-token book's reads and writes, and where each row's reads of this step's own writes start
+(transformers continuous batching, :func:`kvcanary.engines.transformers_steps.build_steps`), and where each row's reads of this step's own writes start
 (:func:`kvcanary.engines.base.written_from`, vLLM)."""
 
 from __future__ import annotations
@@ -54,21 +53,6 @@ def rows_table(read, cu_k, q, past, write, stride, tpp, trash, table, ncached, w
             if exp.shape[0]:
                 exp_new[t] = exp[row, pos]
             t += 1
-
-
-@njit(**JIT)
-def book_window(buf, rows, upto, out):  # type: ignore[no-untyped-def]
-    """``out[i, p] = buf[rows[i], p]`` for ``p < upto[i]``, else -1 (:class:`kvcanary.engines.token_book.TokenBook`)."""
-    for i in range(rows.shape[0]):
-        u = min(upto[i], out.shape[1])
-        for p in range(out.shape[1]):
-            out[i, p] = buf[rows[i], p] if p < u else -1
-
-
-@njit(**JIT)
-def book_write(buf, rr, pp, vals):  # type: ignore[no-untyped-def]
-    for i in range(rr.shape[0]):
-        buf[rr[i], pp[i]] = vals[i]
 
 
 @njit(**JIT)
