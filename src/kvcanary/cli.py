@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -116,12 +117,16 @@ def _report(summary: dict[str, object], unit: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps(summary))
         return
-    _table([(k, v) for k, v in summary.items() if k != "injected"])
+    _table([(k, v) for k, v in summary.items() if k not in ("injected", "report")])
     for f in summary.get("injected", []):  # type: ignore[attr-defined]
         print(f"\n  fault {f['fault']} at {unit} {f[f'injected_at_{unit}']}: {f['detail']}")
         n = f.get("forwards_to_detect")
         after = "" if n is None else f" (within {n} forward{'s' * (n != 1)}, deadline {f['deadline_forwards']})"
         print(f"    detected: {f['first_detection'] or 'NO'}{after}")
+    rep = summary.get("report")
+    if isinstance(rep, dict):
+        print(f"\n  violation log of the injected run: {rep['headline']}\n  report: {rep['command']} "
+              f"(page written: {rep['html']})")
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -201,12 +206,23 @@ def _transformers_run(args: argparse.Namespace) -> int:
                   CbFault("redirect_table_entry", at=5, seed=args.seed + 1),
                   CbFault("free_shared_block", at=7, seed=args.seed + 2)]
         # every read slot's content is verified in this run, so a flipped byte is found on its next read
+        import tempfile
+
+        from kvcanary import report
+
+        logfile = config.violations_log or os.path.join(tempfile.mkdtemp(prefix="kvcanary-demo-"), "violations.jsonl")
         try:
-            with protect(model, replace(config, content_budget_bytes=None)) as guard:
+            with protect(model, replace(config, content_budget_bytes=None, violations_log=logfile)) as guard:
                 guard.hooks.extend(faults)
                 generate(False)
         finally:
             quiet.setLevel(level)
+        page = os.path.splitext(logfile)[0] + ".html"
+        rs = report.summarize(report.read(logfile)) if os.path.exists(logfile) else report.summarize([])
+        with open(page, "w", encoding="utf-8") as fh:
+            fh.write(report.html_page(rs, logfile))
+        summary["report"] = {"log": logfile, "html": page, "headline": report.headline(rs),
+                             "command": f"kvcanary report {logfile} --html {page}"}
         found = []
         for f in faults:
             hits = [v for v in guard.violations if f.landed_at is not None and v.step >= f.landed_at
@@ -415,7 +431,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-vllm", action="store_true", help="no vLLM rows (they run where vLLM is installed)")
     t.add_argument("--json", action="store_true", help="print the matrix as one JSON object")
     t.set_defaults(fn=_selftest)
+    r = sub.add_parser("report", help="summarize a JSONL violation log (and write an HTML page)",
+                       description="Read a JSONL violation log (KVCANARY_VIOLATIONS_LOG) and print what broke, whom "
+                       "it hurt and when; --html writes a one-page report with pictures. Exit status 1 when the "
+                       "log holds violations, 2 when it cannot be read.", **kw)
+    r.add_argument("file", help="the violation log")
+    r.add_argument("--html", metavar="OUT", help="also write a one-page HTML report to OUT")
+    r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    r.set_defaults(fn=_report_cmd)
     return p
+
+
+def _report_cmd(args: argparse.Namespace) -> int:
+    from kvcanary import report
+
+    return report.main(args.file, args.html, args.json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
