@@ -94,7 +94,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> Summary:
 def _rows(s: Summary) -> dict[str, tuple[list[str], list[list[str]]]]:
     """The summary's tables: title -> (header, rows)."""
     kinds = [[k.name, str(k.events), str(len(k.slots)), str(len(k.requests)), f"{k.first_step} .. {k.last_step}",
-              k.first_summary[:160]] for k in s.kinds]
+              k.first_summary[:240]] for k in s.kinds]
     return {
         "Violations by kind": (["kind", "events", "slots", "requests", "steps", "first event"], kinds),
         "Requests hurt (retry them)": (["request", "events"], [[r, str(c)] for r, c in s.requests.most_common(20)]),
