@@ -190,3 +190,27 @@ def test_violations_log_gets_one_json_line_per_event(tmp_path):
     assert ev["site"] == "verify" and ev["row"] == 0 and "POSITION" in ev["checks"] and ev["slots"] == len(found)
     assert [v["slot"] for v in ev["violations"]] == [v.slot for v in found] and ev["engine"] == "canary"
     assert CanaryConfig.from_env(environ={"KVCANARY_VIOLATIONS_LOG": path}).violations_log == path
+
+
+def test_the_patrol_walks_its_budget_per_call_and_states_its_pass_length():
+    from kvcanary import ConfigError
+    from kvcanary.violations import Counter
+
+    from factories import paged_layout
+
+    layout = paged_layout(16, 8, row=64, nsrc=2)  # 128 slots of 128 content bytes
+    assert Canary(128, layout, CanaryConfig(patrol_budget_bytes=128 * 10)).stats()["patrol_pass_steps"] == 13
+    c = Canary(128, layout, CanaryConfig(mode="raise", patrol_budget_bytes=128 * 16))
+    assert c.patrol_slots == 16 and c.stats()["patrol_pass_steps"] == 8
+    stamped = torch.arange(0, 128, 2)
+    c.stamps[stamped, 1] = 0  # half the pool stamped (contents 0 differ from the bytes: all bad)
+    for _ in range(8):
+        c.patrol()
+    assert c.scrub_passes == 1 and int(c.ring.counters[Counter.SLOTS_SCRUBBED]) == 64
+    with pytest.raises(KvCorruptionError) as e:
+        c.poll()
+    assert len(e.value.violations) == 64  # every stamped slot re-verified once in the pass
+    assert Canary(128, layout, CanaryConfig(patrol_budget_bytes=0)).stats()["patrol_pass_steps"] == 0
+    assert Canary(128, config=CanaryConfig()).patrol_slots == 0  # metadata only: nothing to re-read
+    with pytest.raises(ConfigError, match="patrol_budget_bytes: expected an integer >= 0 or 'auto', got int -1"):
+        CanaryConfig(patrol_budget_bytes=-1)

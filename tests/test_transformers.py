@@ -292,3 +292,25 @@ def test_fused_step_building_equals_the_torch_construction(llama, which):
     out, guard = generate(model, prompts(10, seed=4), CanaryConfig(mode="raise"), hooks=[compare], num_blocks=24)
     assert guard.groups and next(iter(guard.groups.values())).canary.backend == "fused"
     assert seen["forwards"] > 10 and seen["reads"] > 100 and guard.stats()["violations"] == 0
+
+
+@pytest.mark.parametrize("budget", [128 << 10, 0], ids=["patrol", "no-patrol"])
+def test_the_patrol_finds_a_flip_in_cold_cache_within_its_pass(llama, budget):
+    """A bit flipped in a block the prefix cache keeps but no live request holds: no read finds it;
+    the patrol scrub, a share of the pool per forward, does within one pass (``patrol_pass_steps``),
+    and without the patrol nothing does."""
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+    f = CbFault("flip_cold_byte", at=8, seed=1)
+    ps = [p[: 10 + 3 * i] for i, p in enumerate(prompts(24, seed=3))]
+    out, guard = generate(llama, ps, CanaryConfig(mode="log", patrol_budget_bytes=budget), hooks=[f],
+                          max_new_tokens=24, num_blocks=128)
+    st = guard.stats()
+    assert f.injected_at is not None and f.detail["cold"]
+    hits = [v for v in guard.violations if v.slot == f.detail["slot"]]
+    if budget:
+        assert 0 < st["patrol_pass_steps"] <= 32 and st["slots_scrubbed"] > 0
+        assert st["forwards"] - f.injected_at > st["patrol_pass_steps"]  # the run outlasts one pass
+        assert hits and all(v.site == Site.SCRUB and v.checks == Check.CONTENT for v in hits)
+        assert hits[0].step - f.injected_at <= st["patrol_pass_steps"]
+    else:
+        assert st["patrol_pass_steps"] == 0 and st["slots_scrubbed"] == 0 and not hits

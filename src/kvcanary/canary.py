@@ -125,6 +125,10 @@ class Canary:
         self.cursor = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.scrub_cursor = 0
         self.scrub_passes = 0  # complete patrol passes over the pool
+        per_slot = self.layout.content_bytes_per_slot
+        patrol = self.config.patrol_for(self.device.type)
+        # slots per forward of the engine-driven patrol (at least one when there are bytes to check)
+        self.patrol_slots = min(num_slots, max(1, patrol // per_slot)) if patrol and per_slot else 0
         self.internal_errors = 0
         self.disabled = False  # set when even forgetting every stamp failed: nothing is checked after
         self.unknown_possible = False  # some slot may be unknown: stamping seeds such rows from the prefix
@@ -291,13 +295,27 @@ class Canary:
         Unstamped, released and unknown slots are passed over.
         """
         if slots is None:
-            n = min(self.config.scrub_slots, self.num_slots)
-            slots = (torch.arange(n, device=self.device) + self.scrub_cursor) % self.num_slots
-            self.scrub_passes += (self.scrub_cursor + n) // self.num_slots
-            self.scrub_cursor = (self.scrub_cursor + n) % self.num_slots
+            slots = self._next_patrol(min(self.config.scrub_slots, self.num_slots))
         else:
             slots = self._slots_arg("slots", slots)
         self._ops["scrub"](self.stamps, self._table, slots, self.ring.counters, self.ring.rows, Site.SCRUB)
+
+    @_guarded()
+    def patrol(self) -> None:
+        """One forward's share of the patrol scrub (``config.patrol_budget_bytes``), for engine
+        adapters to call after each forward: the next slots of the round-robin walk over the pool
+        are re-fingerprinted, so KV that no request reads is re-verified at least once every
+        ``patrol_pass_steps`` forwards (:meth:`stats`). Nothing without a content layout."""
+        if self.patrol_slots:
+            self._ops["scrub"](self.stamps, self._table, self._next_patrol(self.patrol_slots), self.ring.counters,
+                               self.ring.rows, Site.SCRUB)
+
+    def _next_patrol(self, n: int) -> torch.Tensor:
+        """The next ``n`` slots of the round-robin walk over the pool (scrub and patrol share it)."""
+        slots = (torch.arange(n, device=self.device) + self.scrub_cursor) % self.num_slots
+        self.scrub_passes += (self.scrub_cursor + n) // self.num_slots
+        self.scrub_cursor = (self.scrub_cursor + n) % self.num_slots
+        return slots
 
     @_guarded(_forget_slots)
     def release(self, slots: torch.Tensor) -> None:
@@ -376,6 +394,8 @@ class Canary:
         out["scrub_passes"] = self.scrub_passes
         out["scrub_position"] = self.scrub_cursor
         out["num_slots"] = self.num_slots
+        # the patrol's worst-case re-verification latency for a slot no request reads, in forwards
+        out["patrol_pass_steps"] = -(-self.num_slots // self.patrol_slots) if self.patrol_slots else 0
         return out
 
     def coverage(self) -> dict[str, float]:

@@ -17,6 +17,7 @@ BACKENDS = ("auto", "torch", "fused", "triton")
 Content = Literal["none", "all"]
 MODES = ("off", "log", "raise", "quarantine")
 AUTO_BUDGET = {"cpu": 256 << 10, "cuda": 256 << 20}
+AUTO_PATROL = {"cpu": 64 << 10, "cuda": 64 << 20}
 CONTENTS = ("none", "all")
 
 
@@ -40,6 +41,10 @@ class CanaryConfig:
         ``torch`` (the reference: vectorized torch ops), ``fused`` (compiled CPU loops, numba) or
         ``triton`` (on a CPU only under ``TRITON_INTERPRET=1``); see :mod:`kvcanary.ops`
     scrub_slots : slots the patrol scrub re-fingerprints per ``scrub()`` call
+    patrol_budget_bytes : KV bytes the patrol scrub re-fingerprints per forward where an engine
+        adapter drives it (:meth:`kvcanary.canary.Canary.patrol`): ``"auto"`` (64 KiB on a CPU, 64 MiB
+        on a GPU), a number, or 0 for no patrol. Cold cache (blocks no request reads) is then
+        re-verified at least once every ``ceil(pool bytes / budget)`` forwards
     history : decoded violations kept on the canary for inspection
     violations_log : a file that every drained violation event is appended to as one JSON line
         (:mod:`kvcanary.eventlog`; the same format for every engine and process), or ``None``
@@ -55,6 +60,7 @@ class CanaryConfig:
     validate: bool | None = None
     backend: Backend = "auto"
     scrub_slots: int = 4096
+    patrol_budget_bytes: int | Literal["auto"] = "auto"
     history: int = 10_000
     violations_log: str | None = None
     metrics: bool = False
@@ -76,6 +82,9 @@ class CanaryConfig:
                 raise ConfigError(f"{name}: expected an integer >= 1, got {_shown(v)}")
             if v < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {v}")
+        pb = self.patrol_budget_bytes
+        if not ((isinstance(pb, str) and pb == "auto") or (_is_int(pb) and pb >= 0)):
+            raise ConfigError(f"patrol_budget_bytes: expected an integer >= 0 or 'auto', got {_shown(pb)}")
         if self.violations_log is not None and not (isinstance(self.violations_log, str) and self.violations_log):
             raise ConfigError(f"violations_log: expected a file path or None, got {_shown(self.violations_log)}")
         if not isinstance(self.metrics, bool):
@@ -84,6 +93,12 @@ class CanaryConfig:
             raise ConfigError(f"metrics_port: expected a TCP port in 1 .. 65535 or None, got {_shown(self.metrics_port)}")
         if self.validate is not None and not isinstance(self.validate, bool):
             raise ConfigError(f"validate: expected True, False or None, got {_shown(self.validate)}")
+
+    def patrol_for(self, device_type: str) -> int:
+        """The patrol scrub's bytes per forward on a device of this type (0: no patrol)."""
+        if self.patrol_budget_bytes == "auto":
+            return AUTO_PATROL.get(device_type, AUTO_PATROL["cpu"])
+        return int(self.patrol_budget_bytes)
 
     def budget_for(self, device_type: str) -> int | None:
         """The per-verify content budget in bytes on a device of this type (``None``: unlimited)."""
@@ -125,6 +140,15 @@ def _budget(s: str) -> int | None | str:
         raise ValueError(f"expected an integer, 'auto' or 'none', got {s!r}") from None
 
 
+def _patrol(s: str) -> int | str:
+    if s.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"expected an integer or 'auto', got {s!r}") from None
+
+
 def _int(s: str) -> int:
     try:
         return int(s)
@@ -148,6 +172,7 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_RING_CAPACITY": ("ring_capacity", _int),
     "KVCANARY_VALIDATE": ("validate", _bool),
     "KVCANARY_SCRUB_SLOTS": ("scrub_slots", _int),
+    "KVCANARY_PATROL_BUDGET_BYTES": ("patrol_budget_bytes", _patrol),
     "KVCANARY_BACKEND": ("backend", str),
     "KVCANARY_VIOLATIONS_LOG": ("violations_log", str),
     "KVCANARY_METRICS": ("metrics", _bool),

@@ -14,7 +14,9 @@ process.
 Counters mirror :meth:`kvcanary.canary.Canary.stats` (``kvcanary_<stat>_total``), plus
 ``kvcanary_violations_total{check, site}`` from the drained violation records. Gauges: the share of
 read slots whose bytes were re-fingerprinted (``kvcanary_content_coverage_ratio``), the patrol
-scrub's position in its pass (``kvcanary_scrub_position_ratio``), and the time of the last update
+scrub's position in its pass (``kvcanary_scrub_position_ratio``), the forwards one patrol pass takes
+(``kvcanary_patrol_pass_steps``: the worst-case delay before corruption of KV no request reads is
+found), and the time of the last update
 (``kvcanary_last_update_timestamp_seconds``: a canary that stops updating it is not running).
 """
 
@@ -72,6 +74,10 @@ class Metrics:
         self.scrub_position = pc.Gauge("kvcanary_scrub_position_ratio",
                                        "Position of the patrol scrub in its pass over the pool (0..1)", LABELS,
                                        registry=self.registry, **mp)
+        self.patrol_pass = pc.Gauge("kvcanary_patrol_pass_steps",
+                                    "Forwards the patrol scrub takes over the whole pool: the worst-case delay before "
+                                    "corrupted KV that no request reads is found (0: no patrol)", LABELS,
+                                    registry=self.registry, **mp)
         self.updated = pc.Gauge("kvcanary_last_update_timestamp_seconds", "Unix time of the canary's last update",
                                 LABELS, registry=self.registry, **mp)
         self._seen: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
@@ -94,6 +100,7 @@ class Metrics:
                 self.coverage.labels(*key).set(stats.get("content_slots_verified", 0) / read)
             if stats.get("num_slots"):
                 self.scrub_position.labels(*key).set(stats.get("scrub_position", 0) / stats["num_slots"])
+            self.patrol_pass.labels(*key).set(stats.get("patrol_pass_steps", 0))
             self.updated.labels(*key).set(time.time())
 
     def count(self, found: Iterable[Violation], labels: dict[str, str]) -> None:

@@ -222,6 +222,8 @@ class Protection(Adapter):
     def _after(self, steps: dict[str, Step]) -> None:
         for name, step in steps.items():
             self.groups[name].canary.after_forward(step)
+        for g in self.groups.values():  # this forward's share of the patrol over cold cache
+            g.canary.patrol()
         self.forwards += 1
         self.poll()
         self.publish_metrics()

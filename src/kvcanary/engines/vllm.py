@@ -201,6 +201,7 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
     def _after(self) -> None:
         assert self.canary is not None and self._step is not None
         self.canary.after_forward(self._step)
+        self.canary.patrol()  # this forward's share of the patrol over cold cache
         self.forwards += 1
         self.report([_named(v, self._rows) for v in self.canary.drain()], rank=self.rank)
         self.publish_metrics()

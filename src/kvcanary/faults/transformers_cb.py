@@ -103,8 +103,28 @@ def free_shared_block(prot: Any, runner: Any, batch: dict, rng: random.Random, d
     return True
 
 
+def flip_cold_byte(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """Flip one bit of a K or V byte of a stamped slot in a block the prefix cache keeps but no live
+    request holds: no read finds it until a later request hits the prefix; the patrol scrub must."""
+    g = full_group(prot)
+    a = g.allocator
+    held = {b for blocks in a.block_table.values() for b in blocks}
+    cold = sorted((set(a.ledger.cached_blocks) | set(a.ledger.block_to_hash)) - held)
+    pos = g.canary.stamps[:, 1]
+    slots = [b * g.tpp + i for b in cold for i in range(g.tpp) if int(pos[b * g.tpp + i]) >= 0]
+    if not slots:
+        return False
+    slot = rng.choice(slots)
+    src = rng.choice(g.canary.layout.sources)
+    off = rng.randrange(src.row_bytes)
+    src.slot_bytes(slot)[0, off] ^= 1 << rng.randrange(8)
+    detail.update(block=slot // g.tpp, slot=slot, source=src.name, byte=off, cold=True)
+    return True
+
+
 INJECTORS = {
     "flip_shared_byte": flip_shared_byte,
     "redirect_table_entry": redirect_table_entry,
     "free_shared_block": free_shared_block,
+    "flip_cold_byte": flip_cold_byte,
 }
