@@ -5,7 +5,7 @@ then verifying every read) and after-forward hook (stamping the writes, polling)
 whose rows all decode one token, and prints the medians per backend, all in one run (the backends
 alternate). The demo model: 4 layers, K and V of 512 B per token each (8 sources), 16 requests.
 
-    python bench/decode_forward.py [--threads 1] [--repeats 3] [--backends torch,fused]
+    python bench/decode_forward.py [--threads 1] [--repeats 3] [--backends torch,fused,fused:nopatrol]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import time
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--repeats", type=int, default=3)
-ap.add_argument("--backends", default="torch,fused")
+ap.add_argument("--backends", default="torch,fused,fused:nopatrol",
+                help="backends to compare; ':nopatrol' turns the patrol scrub off (its cost is the difference)")
 ap.add_argument("--new-tokens", type=int, default=64)
 ARGS = ap.parse_args()
 os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))
@@ -71,7 +72,9 @@ def main() -> None:
             for b in times:
                 now["backend"] = b
                 n = {k: len(v) for k, v in times[b].items()}
-                with torch.inference_mode(), protect(model, CanaryConfig(mode="log", backend=b)) as guard:
+                name, _, opt = b.partition(":")
+                cfg = CanaryConfig(mode="log", backend=name, patrol_budget_bytes=0 if opt == "nopatrol" else "auto")
+                with torch.inference_mode(), protect(model, cfg) as guard:
                     model.generate_batch(ps, generation_config=gen, continuous_batching_config=cbc)
                 assert guard.stats()["violations"] == 0 and guard.stats()["internal_errors"] == 0
                 if rep == 0:
