@@ -40,8 +40,8 @@ def test_the_summary_names_the_kinds_the_requests_and_the_steps(faulted_log, cap
     hurt = {guard.request_of(v) for v in guard.violations} - {None}
     assert set(out["requests"]) == hurt and hurt
     kinds = {k["kind"] for k in out["kinds"]}
-    assert any(k.startswith("verify: ") and "CONTENT" in k for k in kinds)  # the flipped byte
-    assert any("LINK" in k or "POSITION" in k for k in kinds)  # the redirected table entry
+    assert any(k.startswith("bytes_changed (verify: ") and "CONTENT" in k for k in kinds)  # the flipped byte
+    assert any(k.startswith("foreign_slot") and ("LINK" in k or "POSITION" in k) for k in kinds)  # the redirect
     assert sum(k["events"] for k in out["kinds"]) == out["events"] > 0
     steps = [v.step for v in guard.violations]
     assert min(k["first_step"] for k in out["kinds"]) == min(steps)

@@ -13,6 +13,7 @@ import torch
 
 from kvcanary import checks, eventlog, ops
 from kvcanary.config import CanaryConfig
+from kvcanary.diagnosis import annotate
 from kvcanary.errors import ConfigError, KvCanaryError, KvCorruptionError, UnsupportedError
 from kvcanary.layout import KvLayout
 from kvcanary.step import Step
@@ -121,6 +122,8 @@ class Canary:
         self._ops = ops.load(self.backend)
         self._table = ops.prepare(self.backend, self.layout, self.device)
         self.stamps = checks.new_stamps(num_slots, self.device)
+        # each slot's last writer, (step, step row), for the diagnosis; the last row takes invalid writes
+        self.writers = torch.full((num_slots + 1, 2), -1, dtype=torch.int64, device=self.device)
         self.ring = ViolationRing(self.config.ring_capacity, self.device)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.scrub_cursor = 0
@@ -252,6 +255,7 @@ class Canary:
         verify the reads of slots this step wrote (``step.written_from``)."""
         self._prepare(step)
         self._stamp(step, self.ring.counters, self.ring.rows)
+        self._note_writers(step)
         wf = step.written_from
         # a row reads what this step wrote only below its cached length: most steps have none
         after = step.split_reads()[1] if wf is not None and bool((wf.long() < step.cached_lens.long()).any()) else None
@@ -263,6 +267,33 @@ class Canary:
 
     def _stamp(self, step: Step, counters: torch.Tensor, ring: torch.Tensor) -> None:
         self._ops["stamp"](self.stamps, self._table, step, counters, ring, unknown_possible=self.unknown_possible)
+
+    def _note_writers(self, step: Step) -> None:
+        """Record this step and each written slot's row as the slot's last writer (device ops only)."""
+        if self.backend == "fused":
+            from kvcanary.fused.steps import note_writers
+
+            note_writers(step, self.writers, self.num_slots, self.step_id)
+            return
+        offs = step.new_offsets.long()
+        row = torch.repeat_interleave(torch.arange(step.num_rows, device=self.device), offs[1:] - offs[:-1],
+                                      output_size=step.num_new)
+        slots = step.new_slots.long()
+        ok = (slots >= 0) & (slots < self.num_slots) & step.valid_rows()[row]
+        idx = torch.where(ok, slots, self.num_slots)
+        self.writers[idx, 0] = self.ring.counters[Counter.STEPS]
+        self.writers[idx, 1] = row
+
+    def last_writer(self, slot: int) -> tuple[int, int] | None:
+        """The step and step row that last wrote ``slot`` (``None``: none this canary saw)."""
+        if not 0 <= slot < self.num_slots:
+            return None
+        step, row = (int(x) for x in self.writers[slot])
+        return None if step < 0 else (step, row)
+
+    def _writer_of(self, v: Violation) -> tuple[int, str] | None:
+        w = self.last_writer(v.slot)
+        return None if w is None else (w[0], f"row {w[1]} of step {w[0]}")
 
     def _restamp_followers(self, step: Step) -> None:
         """Rows whose chain continues from a slot another row wrote in this step seeded from that
@@ -382,7 +413,8 @@ class Canary:
         lost_before = self.ring.lost
         found = self.drain()
         lost = self.ring.lost - lost_before
-        errors = report(found, lost, self.config.mode, self.callbacks, self.config.violations_log, engine="canary")
+        errors = report(found, lost, self.config.mode, self.callbacks, self.config.violations_log,
+                        writer_of=self._writer_of, engine="canary")
         self.internal_errors += errors
         return found
 
@@ -417,14 +449,19 @@ def coverage_of(stats: dict[str, int]) -> dict[str, float]:
 
 def report(found: list[Violation], lost: int, mode: str,
            callbacks: Iterable[Callable[[list[Violation]], None]] = (), log_path: str | None = None,
-           **context: Any) -> int:
+           writer_of: Callable[[Violation], tuple[int, str] | None] | None = None,
+           holders_of: Callable[[Violation], list[str] | None] | None = None, **context: Any) -> int:
     """Report drained violations: appended to the JSONL violation log (``log_path``, one line per
     event, with ``context`` such as the engine and rank), then the callbacks, then one log line
     per event, or in ``raise`` mode :class:`KvCorruptionError`. Returns how many of those sinks
     failed (counted as internal errors by the caller; in ``raise`` mode a failing sink raises)."""
     if not found and not lost:
         return 0
-    evs = events(found)
+    try:  # a diagnosis that fails leaves the events undiagnosed, never unreported
+        evs = annotate(events(found), writer_of, holders_of)
+    except Exception:
+        log.exception("kvcanary: diagnosing violations failed (reported without a diagnosis)")
+        evs = events(found)
     errors = 0
     sinks: list[Callable[[], object]] = [lambda: eventlog.append(log_path, evs, **context)] if log_path else []
     sinks += [functools.partial(cb, found) for cb in callbacks]

@@ -37,6 +37,7 @@ def record(ev: Event, **context: Any) -> dict[str, Any]:
         "checks": [c.name for c in Check if c in ev.checks],
         "slots": ev.slots,
         "summary": ev.describe(),
+        "diagnosis": ev.diagnosis.to_dict() if ev.diagnosis is not None else None,
         "violations": [v.to_dict() for v in ev.violations],
     }
 

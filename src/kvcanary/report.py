@@ -2,7 +2,8 @@
 person can act on, and as a one-page HTML report with pictures of the violations over steps and
 over the slot space.
 
-The summary says, per kind of failure (the failed checks at a site), how many events and slots,
+The summary says, per kind of failure (the diagnosed bug class, the failed checks and the site),
+how many events and slots,
 which requests were hurt, the first and last step; then the requests to retry, the slots and
 layer groups hit most, and the processes and ranks that reported. ``rich`` renders the tables when
 it is installed; plain text otherwise.
@@ -26,6 +27,7 @@ class Kind:
 
     site: str
     checks: tuple[str, ...]
+    diagnosis: str = ""  # the most likely bug class (kvcanary.diagnosis), where the reporter diagnosed it
     events: int = 0
     slots: set[int] = field(default_factory=set)
     requests: set[str] = field(default_factory=set)
@@ -35,7 +37,8 @@ class Kind:
 
     @property
     def name(self) -> str:
-        return f"{self.site}: {'|'.join(self.checks)}"
+        what = f"{self.site}: {'|'.join(self.checks)}"
+        return f"{self.diagnosis} ({what})" if self.diagnosis else what
 
 
 @dataclass
@@ -56,7 +59,7 @@ class Summary:
 
 def summarize(events: Iterable[dict[str, Any]]) -> Summary:
     """Aggregate events as :func:`kvcanary.eventlog.read` returns them."""
-    kinds: dict[tuple[str, tuple[str, ...]], Kind] = {}
+    kinds: dict[tuple[str, tuple[str, ...], str], Kind] = {}
     requests: collections.Counter[str] = collections.Counter()
     slots: collections.Counter[int] = collections.Counter()
     groups: collections.Counter[str] = collections.Counter()
@@ -66,7 +69,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> Summary:
     n = records = 0
     for ev in events:
         n += 1
-        key = (str(ev.get("site")), tuple(ev.get("checks") or ()))
+        diag = (ev.get("diagnosis") or {}).get("kind", "")
+        key = (str(ev.get("site")), tuple(ev.get("checks") or ()), diag)
         k = kinds.setdefault(key, Kind(*key))
         k.events += 1
         step = int(ev.get("step", -1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -195,6 +196,7 @@ class Event:
     row: int
     checks: Check
     violations: tuple[Violation, ...]
+    diagnosis: Any = None  # a kvcanary.diagnosis.Diagnosis, where the reporter diagnosed it
 
     @property
     def slots(self) -> int:
@@ -205,8 +207,9 @@ class Event:
         who = f"request {self.request}" if self.request is not None else (f"row {self.row}" if self.row >= 0 else "")
         grp = f" group {self.group}" if self.group is not None else ""
         first = self.violations[0]
-        return (f"[{self.site.name.lower()} step {self.step}{grp}] {who + ': ' if who else ''}{self.slots} slot(s) "
-                f"failed {names}; first: {first.describe()}")
+        out = (f"[{self.site.name.lower()} step {self.step}{grp}] {who + ': ' if who else ''}{self.slots} slot(s) "
+               f"failed {names}; first: {first.describe()}")
+        return out if self.diagnosis is None else f"{out} -- {self.diagnosis.describe()}"
 
 
 def events(violations: list[Violation]) -> list[Event]:

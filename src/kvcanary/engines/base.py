@@ -70,6 +70,25 @@ class Adapter:
         """The adapter's canaries by the name of what each watches (a layer group, a pool)."""
         return {str(i): c for i, c in enumerate(self.canaries())}
 
+    def request_at(self, step: int, row: int) -> str | None:
+        """The request behind row ``row`` of canary step ``step``, while the adapter remembers it."""
+        return None
+
+    def holders_of(self, v: Violation) -> list[str] | None:
+        """The requests whose tables (the engine's own) hold the block of a violation's slot (``None``:
+        the adapter cannot tell)."""
+        return None
+
+    def writer_of(self, v: Violation) -> tuple[int, str] | None:
+        """The last writer of a violation's slot: its step and request (or step row)."""
+        named = self.named_canaries()
+        c = named.get(v.group) if v.group is not None else None
+        c = c if c is not None else next(iter(named.values()), None)
+        w = c.last_writer(v.slot) if c is not None else None
+        if w is None:
+            return None
+        return w[0], self.request_at(*w) or f"row {w[1]} of step {w[0]}"
+
     def metric_labels(self) -> dict[str, str]:
         """The labels of this adapter's metrics (:data:`kvcanary.metrics.LABELS`, less ``group``)."""
         return {"engine": self.engine, "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
@@ -132,7 +151,9 @@ class Adapter:
         mode = "log" if self.config.mode == "quarantine" else self.config.mode
         try:
             self.internal_errors += report(found, 0, mode, [self.on_violation] if self.on_violation else [],
-                                           self.config.violations_log, engine=self.engine, **context)
+                                           self.config.violations_log, writer_of=self.writer_of,
+                                           holders_of=self.holders_of, engine=self.engine,
+                                           **context)
         except KvCorruptionError as e:
             self.pending = e
             raise

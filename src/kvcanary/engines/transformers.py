@@ -141,6 +141,14 @@ class Protection(Adapter):
             self.quarantine.mark(found)
         return found
 
+    def holders_of(self, v: Violation) -> list[str] | None:
+        g = self.groups.get(v.group) if v.group is not None else None
+        return g.holders(v.slot // g.tpp) if g is not None and v.slot >= 0 else None
+
+    def request_at(self, step: int, row: int) -> str | None:
+        rids = self.rows.get(step, [])
+        return rids[row] if 0 <= row < len(rids) else None
+
     def request_of(self, v: Violation) -> str | None:
         """The request id behind a verify or write violation's step row, while it is remembered."""
         if v.request is not None:

@@ -91,6 +91,7 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         self.forwards = 0
         self._step: Step | None = None
         self._rows: list[str] = []
+        self._history: dict[int, list[str]] = {}  # forward -> its rows' request ids (the diagnosis' writers)
         self._meta = CanaryMeta()
         self.kv_caches: dict[str, torch.Tensor] = {}
 
@@ -144,6 +145,10 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
     def canaries(self) -> list[Canary]:
         return [self.canary] if self.canary is not None else []
 
+    def request_at(self, step: int, row: int) -> str | None:
+        rids = self._history.get(step, [])
+        return rids[row] or None if 0 <= row < len(rids) else None
+
     def named_canaries(self) -> dict[str, Canary]:
         return {"kv": self.canary} if self.canary is not None else {}
 
@@ -192,6 +197,8 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         md = next(iter(md.values())) if isinstance(md, dict) else md
         step, rows = build_step(md, meta.reqs, self.book, self.block_size)
         self._step, self._rows, self._meta = step, rows, meta
+        self._history[self.forwards] = rows
+        self._history.pop(self.forwards - self.config.history, None)
         self.canary.before_forward(step)
 
     def wait_for_save(self) -> None:

@@ -13,7 +13,8 @@ from kvcanary.sim import workload
 from kvcanary.sim.engine import EngineSpec, ScriptedEngine
 from kvcanary.faults.catalog import CATALOG, FaultClass, Outcome, Point
 from kvcanary.faults.scripted import INJECTORS
-from kvcanary.violations import Check
+from kvcanary.diagnosis import annotate
+from kvcanary.violations import Check, events
 
 log = logging.getLogger("kvcanary")
 
@@ -35,6 +36,7 @@ class FaultResult:
     detail: dict[str, Any] = field(default_factory=dict)
     first: str | None = None
     injected_at: int | None = None  # the engine step (scripted) or forward (transformers) it landed in
+    diagnosis: str | None = None  # the class kvcanary.diagnosis gives the first detecting event
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,8 +104,10 @@ def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = 
             hits = [v for v in found if v.checks & fc.checks] if landed_at is not None else []
             if hits and landed_at is not None:
                 fired = sorted({c.name or "" for v in hits for c in Check if c in v.checks})
+                diag = annotate(events(found), canary._writer_of)
+                kind = next(e.diagnosis.kind for e in diag if any(v in hits for v in e.violations))
                 return _result(fc, "scripted", seed, True, fired, eng.steps - landed_at, inj.detail, hits[0].describe(),
-                               landed_at)
+                               landed_at, kind)
             if landed_at is not None and eng.steps - landed_at >= fc.max_forwards + 2:
                 break
         return _result(fc, "scripted", seed, False, [], None, inj.detail, at=landed_at)
@@ -112,10 +116,11 @@ def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = 
 
 
 def _result(fc: FaultClass, engine: str, seed: int, detected: bool, fired: list[str], forwards: int | None,
-            detail: dict[str, Any], first: str | None = None, at: int | None = None) -> FaultResult:
+            detail: dict[str, Any], first: str | None = None, at: int | None = None,
+            diagnosis: str | None = None) -> FaultResult:
     ok = detected and forwards is not None and forwards <= fc.max_forwards
     return FaultResult(fc.name, engine, seed, list(fc.zoo), fc.outcome.value, detected, fired, forwards,
-                       fc.max_forwards, ok, detail, first, at)
+                       fc.max_forwards, ok, detail, first, at, diagnosis)
 
 
 # transformers continuous batching: the fault classes its injectors reproduce

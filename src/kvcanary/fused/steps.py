@@ -10,7 +10,7 @@ import torch
 from numba import njit
 
 from kvcanary.fused._core import JIT
-from kvcanary.fused._step import BSIZE, CL, IS_BLOCK, NNEW, NROWS, NS, describe, lookup, rd
+from kvcanary.fused._step import BSIZE, CL, IS_BLOCK, NNEW, NO, NROWS, NS, describe, lookup, rd, valid
 from kvcanary.step import Step
 
 
@@ -99,3 +99,21 @@ def written_from(step: Step) -> torch.Tensor:
     out = torch.empty(step.num_rows, dtype=torch.int64)
     _written_from(describe(step), out.numpy())
     return out
+
+
+@njit(**JIT)
+def _note_writers(d, writers, num_slots, step_id):  # type: ignore[no-untyped-def]
+    for r in range(d[NROWS]):
+        if not valid(d, r):
+            continue
+        for t in range(rd(d, NO, r), rd(d, NO, r + 1)):
+            s = rd(d, NS, t)
+            if 0 <= s < num_slots:
+                writers[s, 0] = step_id
+                writers[s, 1] = r
+
+
+def note_writers(step: Step, writers: torch.Tensor, num_slots: int, step_id: int) -> None:
+    """Record ``step_id`` and the step row as the last writer of every slot the step wrote
+    (``writers``: int64 ``[num_slots + 1, 2]``)."""
+    _note_writers(describe(step), writers.numpy(), num_slots, step_id)
