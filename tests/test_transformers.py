@@ -314,3 +314,40 @@ def test_the_patrol_finds_a_flip_in_cold_cache_within_its_pass(llama, budget):
         assert hits[0].step - f.injected_at <= st["patrol_pass_steps"]
     else:
         assert st["patrol_pass_steps"] == 0 and st["slots_scrubbed"] == 0 and not hits
+
+
+@pytest.mark.parametrize("first_read", [True, False], ids=["first-read-verified", "without"])
+def test_a_prefix_hit_verifies_every_byte_of_the_blocks_before_its_first_read(llama, monkeypatch, first_read):
+    """A byte of a cached prefix block flips just before a new request's first read of it (a
+    prefix-cache hit). With no content window (budget 0) and no patrol, the first-read check still
+    finds it in that forward, before the read (no harmful read), naming every request that hit it;
+    without that check nothing finds it."""
+    from kvcanary.engines import transformers as cb
+    from kvcanary.engines.transformers_hooks import host_io
+    from kvcanary.faults.transformers_cb import full_group
+
+    if not first_read:
+        monkeypatch.setattr(cb.Protection, "_verify_first_reads", lambda self, reqs, steps: None)
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+    hit = {}
+
+    def flip_before_first_hit(prot, runner, batch):
+        for fs in host_io(runner.inputs_and_outputs).requests_in_batch:
+            past = fs.state.position_offset - fs.query_length
+            if not hit and fs.state.request_id not in prot._seen and past >= 8 and prot.groups:
+                g = full_group(prot)
+                slot = g.allocator.block_table[fs.state.request_id][0] * g.tpp + 1
+                g.canary.layout.sources[0].slot_bytes(slot)[0, 5] ^= 4
+                hit.update(rid=fs.state.request_id, slot=slot, forward=prot.forwards)
+
+    cfg = CanaryConfig(mode="log", content_budget_bytes=0, patrol_budget_bytes=0)
+    out, guard = generate(llama, prompts(24, seed=6), cfg, hooks=[flip_before_first_hit], max_new_tokens=8,
+                          num_blocks=128, max_requests_per_batch=4)
+    assert hit, "no request hit a cached prefix"
+    found = [v for v in guard.violations if v.slot == hit["slot"]]
+    if not first_read:
+        assert not found
+        return
+    assert found and all(v.site == Site.FIRST_READ and v.checks == Check.CONTENT for v in found)
+    assert min(v.step for v in found) == hit["forward"]  # reported before the forward that reads it
+    assert hit["rid"] in {v.request for v in found}  # each first reader is named (several may hit one block)

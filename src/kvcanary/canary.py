@@ -332,6 +332,16 @@ class Canary:
         self._ops["scrub"](self.stamps, self._table, slots, self.ring.counters, self.ring.rows, Site.SCRUB)
 
     @_guarded()
+    def first_read(self, slots: torch.Tensor) -> None:
+        """Re-fingerprint the stamped ``slots`` now, before a forward reads them for the first time on
+        behalf of a request that did not write them (a prefix-cache hit): whatever the rotating
+        content window says, their bytes are verified before that read (site ``first_read``). Blocks
+        restored from another tier or copied by a fork are verified as they land
+        (:meth:`import_stamps`)."""
+        self._ops["scrub"](self.stamps, self._table, self._slots_arg("slots", slots), self.ring.counters,
+                           self.ring.rows, Site.FIRST_READ)
+
+    @_guarded()
     def patrol(self) -> None:
         """One forward's share of the patrol scrub (``config.patrol_budget_bytes``), for engine
         adapters to call after each forward: the next slots of the round-robin walk over the pool

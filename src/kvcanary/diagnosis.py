@@ -193,7 +193,7 @@ def annotate(evs: list[Event], writer_of: Writer | None = None, holders_of: Hold
     by_slot: dict[tuple[object, int], list[str]] = {}
     for ev in evs:
         for v in ev.violations:
-            if v.site == Site.VERIFY:
+            if v.site in (Site.VERIFY, Site.FIRST_READ):
                 by_slot.setdefault((v.group, v.slot), []).append(_who(v))
     out = []
     for ev in evs:

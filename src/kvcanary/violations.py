@@ -37,6 +37,7 @@ class Site(enum.IntEnum):
     WRITE = 1  # after a forward, on a slot the step wrote
     SCRUB = 2  # patrol scrub of cached slots
     TRANSFER = 3  # KV landed from another tier or machine, checked against its travelling stamps
+    FIRST_READ = 4  # before a request's first read of KV another request wrote (a prefix-cache hit)
 
 
 # Field indices of a ring row.

@@ -32,7 +32,7 @@ from kvcanary.engines.transformers_quarantine import Quarantine
 from kvcanary.engines.transformers_steps import Group, build_steps, group_layout
 from kvcanary.errors import ConfigError, UnsupportedError
 from kvcanary.step import Step
-from kvcanary.violations import Violation
+from kvcanary.violations import Site, Violation
 
 __all__ = ["Protection", "protect", "check_version", "group_layout", "tiny_model", "cb_configs"]
 
@@ -87,6 +87,9 @@ class Protection(Adapter):
         self.groups: dict[str, Group] = {}
         self.cache: Any = None
         self.forwards = 0
+        self._seen: set[str] = set()  # requests whose first read of cached KV was verified
+        # (group, slot) -> the requests of this forward's first reads of it, in the order they were verified
+        self._first_reads: dict[tuple[str, int], list[str]] = {}
         self._offloaded: dict[str, dict[str, torch.Tensor | None]] = {}
         self.rows: dict[int, list[str]] = {}  # forward -> request id of each step row
         self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
@@ -130,6 +133,9 @@ class Protection(Adapter):
         for name, g in self.groups.items():
             for v in g.canary.drain():
                 rid = self.request_of(v) if v.row >= 0 else request
+                if v.site == Site.FIRST_READ:  # the ring keeps the order the reads were verified in
+                    readers = self._first_reads.get((name, v.slot))
+                    rid = readers.pop(0) if readers else rid
                 if rid is None and v.row < 0:
                     holders = g.holders(v.slot // g.tpp)
                     rid = holders[0] if holders else None
@@ -217,11 +223,34 @@ class Protection(Adapter):
         for hook in self.hooks:
             hook(self, runner, batch)
         steps = self.build_steps(runner, batch, reqs)
+        self._verify_first_reads(reqs, steps)
         self.rows[self.forwards] = [fs.state.request_id for fs in reqs]
         self.rows.pop(self.forwards - self.config.history, None)
         for name, step in steps.items():
             self.groups[name].canary.before_forward(step)
         return steps
+
+    def _verify_first_reads(self, reqs: list, steps: dict[str, Step]) -> None:
+        """A request seen for the first time with KV already cached (a prefix-cache hit, a fork's
+        child) reads blocks it did not write: every byte of them is verified before this forward."""
+        for i, fs in enumerate(reqs):
+            rid = fs.state.request_id
+            if rid in self._seen:
+                continue
+            self._seen.add(rid)
+            past = fs.state.position_offset - fs.query_length
+            if past <= 0:
+                continue
+            for name, step in steps.items():
+                c = self.groups[name].canary
+                start = int(step.starts()[i])
+                pos = torch.arange(start, past, device=step.cached_lens.device)
+                slots = step.lookup(torch.full_like(pos, i), pos)
+                slots = slots[(slots >= 0) & (slots < c.num_slots)]
+                if slots.numel():
+                    c.first_read(slots)
+                    for s in slots.tolist():
+                        self._first_reads.setdefault((name, s), []).append(rid)
 
     def after(self, steps: dict[str, Step] | None) -> None:
         if steps is not None:
@@ -235,8 +264,11 @@ class Protection(Adapter):
         self.forwards += 1
         self.poll()
         self.publish_metrics()
+        self._first_reads.clear()
         if self.forwards % 64 == 0 and self.cache is not None:  # requests that left the cache
-            self.book.forget_except({rid for a in self.cache.cache_allocators.values() for rid in a.block_table})
+            live = {rid for a in self.cache.cache_allocators.values() for rid in a.block_table}
+            self.book.forget_except(live)
+            self._seen &= live | {rid for rids in list(self.rows.values())[-2:] for rid in rids}
 
     def released(self, index: int, blocks: list[int]) -> None:
         """The engine returned ``blocks`` of the group with allocator ``index`` to its free pool."""

@@ -40,7 +40,7 @@ from kvcanary.engines.base import Adapter, step_from_block_table
 from kvcanary.engines.token_book import TokenBook
 from kvcanary.errors import UnsupportedError
 from kvcanary.step import Step
-from kvcanary.violations import Violation
+from kvcanary.violations import Site, Violation
 
 log = logging.getLogger("kvcanary")
 NAME = "KvCanaryConnector"
@@ -92,6 +92,8 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         self._step: Step | None = None
         self._rows: list[str] = []
         self._history: dict[int, list[str]] = {}  # forward -> its rows' request ids (the diagnosis' writers)
+        self._seen: set[str] = set()  # requests whose first read of cached KV was verified
+        self._first_reads: dict[int, list[str]] = {}  # slot -> the requests of this forward's first reads of it
         self._meta = CanaryMeta()
         self.kv_caches: dict[str, torch.Tensor] = {}
 
@@ -145,6 +147,10 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
     def canaries(self) -> list[Canary]:
         return [self.canary] if self.canary is not None else []
 
+    def _first_reader(self, v: Violation) -> Violation:
+        readers = self._first_reads.get(v.slot)  # the ring keeps the order the reads were verified in
+        return dataclasses.replace(v, request=readers.pop(0)) if readers else v
+
     def request_at(self, step: int, row: int) -> str | None:
         rids = self._history.get(step, [])
         return rids[row] or None if 0 <= row < len(rids) else None
@@ -186,6 +192,7 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         assert self.canary is not None
         for rid in meta.finished:
             self.book.forget(rid)
+            self._seen.discard(rid)
         for r in meta.reqs:
             if r.tokens:
                 self.book.extend(r.req_id, r.start, r.tokens)
@@ -199,7 +206,29 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         self._step, self._rows, self._meta = step, rows, meta
         self._history[self.forwards] = rows
         self._history.pop(self.forwards - self.config.history, None)
+        self._verify_first_reads(step, rows)
         self.canary.before_forward(step)
+
+    def _verify_first_reads(self, step: Step, rows: list[str]) -> None:
+        """A request's first step with KV already cached (a local prefix-cache hit) reads blocks it
+        did not write: every byte of them is verified before this forward (up to the positions this
+        same step writes or another connector lands, which are checked as they are written or land)."""
+        assert self.canary is not None
+        self._first_reads.clear()
+        for i, rid in enumerate(rows):
+            if not rid or rid in self._seen:
+                continue
+            self._seen.add(rid)
+            end = int((step.written_from if step.written_from is not None else step.cached_lens)[i])
+            if end <= 0:
+                continue
+            pos = torch.arange(end, device=step.cached_lens.device)
+            slots = step.lookup(torch.full_like(pos, i), pos)
+            slots = slots[(slots >= 0) & (slots < self.canary.num_slots)]
+            if slots.numel():
+                self.canary.first_read(slots)
+                for s in slots.tolist():
+                    self._first_reads.setdefault(s, []).append(rid)
 
     def wait_for_save(self) -> None:
         if self._step is not None:
@@ -210,7 +239,8 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         self.canary.after_forward(self._step)
         self.canary.patrol()  # this forward's share of the patrol over cold cache
         self.forwards += 1
-        self.report([_named(v, self._rows) for v in self.canary.drain()], rank=self.rank)
+        self.report([self._first_reader(v) if v.site == Site.FIRST_READ else _named(v, self._rows)
+                     for v in self.canary.drain()], rank=self.rank)
         self.publish_metrics()
         if self.stamp_store:
             self._store()
