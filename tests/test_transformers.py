@@ -310,10 +310,11 @@ def test_the_patrol_finds_a_flip_in_cold_cache_within_its_pass(llama, budget):
     if budget:
         assert 0 < st["patrol_pass_steps"] <= 32 and st["slots_scrubbed"] > 0
         assert st["forwards"] - f.injected_at > st["patrol_pass_steps"]  # the run outlasts one pass
-        assert hits and all(v.site == Site.SCRUB and v.checks == Check.CONTENT for v in hits)
+        assert hits and hits[0].site == Site.SCRUB and all(v.checks == Check.CONTENT for v in hits)
         assert hits[0].step - f.injected_at <= st["patrol_pass_steps"]
     else:
-        assert st["patrol_pass_steps"] == 0 and st["slots_scrubbed"] == 0 and not hits
+        # (first reads of prefix hits re-fingerprint through the same op: slots_scrubbed counts them)
+        assert st["patrol_pass_steps"] == 0 and not [v for v in hits if v.site == Site.SCRUB]
 
 
 @pytest.mark.parametrize("first_read", [True, False], ids=["first-read-verified", "without"])
