@@ -1,13 +1,13 @@
 """Every op the canary runs, and each op's three implementations, in one table.
 
-======== ===================================== ============================ ==============================
-op       torch reference (:mod:`kvcanary.checks`) fused CPU (:mod:`kvcanary.fused.ops`) Triton (:mod:`kvcanary.kernels`)
-======== ===================================== ============================ ==============================
-verify   ``checks.verify``                      ``fused.ops.verify``          ``kernels.verify.verify``
-stamp    ``checks.stamp``                       ``fused.ops.stamp``           ``kernels.stamp.stamp``
-content  ``KvLayout.fingerprint``               ``fused.ops.content``         ``kernels.content.content``
-scrub    ``checks.scrub``                       ``fused.ops.scrub``           ``kernels.scrub.scrub``
-======== ===================================== ============================ ==============================
+========  ==========================  ======================  ============================
+op        torch reference             fused CPU (numba)       Triton kernel
+========  ==========================  ======================  ============================
+verify    ``checks.verify``           ``fused.ops.verify``    ``kernels.verify.verify``
+stamp     ``checks.stamp``            ``fused.ops.stamp``     ``kernels.stamp.stamp``
+content   ``KvLayout.fingerprint``    ``fused.ops.content``   ``kernels.content.content``
+scrub     ``checks.scrub``            ``fused.ops.scrub``     ``kernels.scrub.scrub``
+========  ==========================  ======================  ============================
 
 Every implementation of an op has one signature (below), so the canary dispatches, the parity
 tests compare and the benchmarks time by iterating :data:`OPS`; each backend also says how it
