@@ -15,9 +15,11 @@ offloads; every event reaches the log, the JSONL violation log and the ``on_viol
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import time
+import weakref
 from typing import Any, Callable, ContextManager, Iterable
 
 import torch
@@ -60,7 +62,11 @@ class Adapter:
             self.metrics = process_metrics()  # a clear error here when prometheus-client is missing
             if config.metrics_port is not None:
                 serve(config.metrics_port)
-        self._published = 0.0
+        self._published = time.monotonic()
+        self._unpublished = 0
+        if self.metrics is not None:  # the last counts of a process, where no hook says it ends
+            me = weakref.ref(self)  # an adapter gone before the exit is not kept alive for it
+            atexit.register(lambda: _final_metrics(me()))
 
     def canaries(self) -> Iterable[Canary]:
         """The adapter's canaries (one per layer group, worker or rank)."""
@@ -94,10 +100,14 @@ class Adapter:
         return {"engine": self.engine, "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
 
     def publish_metrics(self, force: bool = False) -> None:
-        """Bring the Prometheus metrics up to date (at most once a second unless ``force``)."""
-        if self.metrics is None or (not force and time.monotonic() - self._published < 1.0):
+        """Bring the Prometheus metrics up to date: every 16th call or after a second, whichever
+        comes first, and when ``force``d (a protection ending, the process exiting)."""
+        if self.metrics is None:
             return
-        self._published = time.monotonic()
+        self._unpublished += 1
+        if not force and self._unpublished < 16 and time.monotonic() - self._published < 1.0:
+            return
+        self._published, self._unpublished = time.monotonic(), 0
         labels = self.metric_labels()
         for i, (name, c) in enumerate(self.named_canaries().items()):
             st = c.stats()
@@ -173,6 +183,14 @@ class Adapter:
         out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
         out["canary_us"] = int(self.seconds * 1e6)
         return out
+
+
+def _final_metrics(adapter: "Adapter | None") -> None:
+    try:
+        if adapter is not None:
+            adapter.publish_metrics(force=True)
+    except Exception:  # at exit: nothing to recover, and nothing to raise into
+        pass
 
 
 def step_from_block_table(block_table: torch.Tensor, block_size: int, query_start: torch.Tensor,
