@@ -62,6 +62,8 @@ class Adapter:
             self.metrics = process_metrics()  # a clear error here when prometheus-client is missing
             if config.metrics_port is not None:
                 serve(config.metrics_port)
+        # (canary name, slot) -> the requests of this forward's first reads of it, in the order verified
+        self._first_reads: dict[tuple[str, int], list[str]] = {}
         self._published = time.monotonic()
         self._unpublished = 0
         if self.metrics is not None:  # the last counts of a process, where no hook says it ends
@@ -71,6 +73,24 @@ class Adapter:
     def canaries(self) -> Iterable[Canary]:
         """The adapter's canaries (one per layer group, worker or rank)."""
         return ()
+
+    def verify_first_read(self, name: str, step: Step, row: int, start: int, end: int, rid: str) -> None:
+        """Verify every byte of positions ``[start, end)`` of ``row`` before this forward: request
+        ``rid`` reads KV there for the first time that it did not write (a prefix-cache hit)."""
+        c = self.named_canaries()[name]
+        pos = torch.arange(start, end, device=step.cached_lens.device)
+        slots = step.lookup(torch.full_like(pos, row), pos)
+        slots = slots[(slots >= 0) & (slots < c.num_slots)]
+        if slots.numel():
+            c.first_read(slots)
+            for s in slots.tolist():
+                self._first_reads.setdefault((name, s), []).append(rid)
+
+    def first_reader(self, name: str, v: Violation) -> str | None:
+        """The request a ``first_read`` violation of canary ``name`` was verified for (the ring keeps
+        the order the reads were verified in)."""
+        readers = self._first_reads.get((name, v.slot))
+        return readers.pop(0) if readers else None
 
     def named_canaries(self) -> dict[str, Canary]:
         """The adapter's canaries by the name of what each watches (a layer group, a pool)."""

@@ -88,8 +88,6 @@ class Protection(Adapter):
         self.cache: Any = None
         self.forwards = 0
         self._seen: set[str] = set()  # requests whose first read of cached KV was verified
-        # (group, slot) -> the requests of this forward's first reads of it, in the order they were verified
-        self._first_reads: dict[tuple[str, int], list[str]] = {}
         self._offloaded: dict[str, dict[str, torch.Tensor | None]] = {}
         self.rows: dict[int, list[str]] = {}  # forward -> request id of each step row
         self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
@@ -134,8 +132,7 @@ class Protection(Adapter):
             for v in g.canary.drain():
                 rid = self.request_of(v) if v.row >= 0 else request
                 if v.site == Site.FIRST_READ:  # the ring keeps the order the reads were verified in
-                    readers = self._first_reads.get((name, v.slot))
-                    rid = readers.pop(0) if readers else rid
+                    rid = self.first_reader(name, v) or rid
                 if rid is None and v.row < 0:
                     holders = g.holders(v.slot // g.tpp)
                     rid = holders[0] if holders else None
@@ -242,15 +239,7 @@ class Protection(Adapter):
             if past <= 0:
                 continue
             for name, step in steps.items():
-                c = self.groups[name].canary
-                start = int(step.starts()[i])
-                pos = torch.arange(start, past, device=step.cached_lens.device)
-                slots = step.lookup(torch.full_like(pos, i), pos)
-                slots = slots[(slots >= 0) & (slots < c.num_slots)]
-                if slots.numel():
-                    c.first_read(slots)
-                    for s in slots.tolist():
-                        self._first_reads.setdefault((name, s), []).append(rid)
+                self.verify_first_read(name, step, i, int(step.starts()[i]), past, rid)
 
     def after(self, steps: dict[str, Step] | None) -> None:
         if steps is not None:

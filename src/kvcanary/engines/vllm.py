@@ -93,7 +93,6 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         self._rows: list[str] = []
         self._history: dict[int, list[str]] = {}  # forward -> its rows' request ids (the diagnosis' writers)
         self._seen: set[str] = set()  # requests whose first read of cached KV was verified
-        self._first_reads: dict[int, list[str]] = {}  # slot -> the requests of this forward's first reads of it
         self._meta = CanaryMeta()
         self.kv_caches: dict[str, torch.Tensor] = {}
 
@@ -148,8 +147,8 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         return [self.canary] if self.canary is not None else []
 
     def _first_reader(self, v: Violation) -> Violation:
-        readers = self._first_reads.get(v.slot)  # the ring keeps the order the reads were verified in
-        return dataclasses.replace(v, request=readers.pop(0)) if readers else v
+        rid = self.first_reader("kv", v)
+        return dataclasses.replace(v, request=rid) if rid else v
 
     def request_at(self, step: int, row: int) -> str | None:
         rids = self._history.get(step, [])
@@ -222,13 +221,7 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
             end = int((step.written_from if step.written_from is not None else step.cached_lens)[i])
             if end <= 0:
                 continue
-            pos = torch.arange(end, device=step.cached_lens.device)
-            slots = step.lookup(torch.full_like(pos, i), pos)
-            slots = slots[(slots >= 0) & (slots < self.canary.num_slots)]
-            if slots.numel():
-                self.canary.first_read(slots)
-                for s in slots.tolist():
-                    self._first_reads.setdefault(s, []).append(rid)
+            self.verify_first_read("kv", step, i, 0, end, rid)
 
     def wait_for_save(self) -> None:
         if self._step is not None:
