@@ -12,7 +12,9 @@ from kvcanary.sim.engine import EngineSpec, ScriptedEngine
 def engine(table="block", layout="paged", **kw):
     spec = EngineSpec(num_blocks=32, block_size=4, layout=layout, table=table, num_layers=3, **kw)
     eng = ScriptedEngine(spec)
-    eng.canary = Canary(eng.num_slots, eng.layout, CanaryConfig(mode="log", content_budget_bytes=None))
+    # no patrol: these tests pin what the read and write checks find
+    eng.canary = Canary(eng.num_slots, eng.layout, CanaryConfig(mode="log", content_budget_bytes=None,
+                                                                patrol_budget_bytes=0))
     return eng
 
 

@@ -27,6 +27,9 @@ BY_NAME = {f.name: f for f in CATALOG}
     ("slot_reused_while_referenced", 0, "slot_reused"), ("table_shift", 2, "table_shifted"),
     ("prefix_cache_recycled_block", 0, "foreign_slot"), ("wrong_position", 0, "write_position"),
     ("wrong_input_token", 0, "write_input"), ("transfer_lands_nothing", 0, "transfer"), ("torn_offload", 1, "transfer"),
+    ("padding_write_into_reserved", 0, "padding_write"), ("padding_slot_wraps_to_live_kv", 1, "padding_write"),
+    ("padding_token_writes_live_slot", 2, "padding_write"), ("cold_bytes_then_prefix_hit", 0, "bytes_changed"),
+    ("cold_bytes_never_read", 1, "bytes_changed"),
 ])
 def test_scripted_faults_get_their_class(fault, seed, kind):
     r = runner.run_scripted(BY_NAME[fault], seed)
@@ -79,7 +82,7 @@ def test_transformers_faults_get_their_class_in_the_log_with_readers_and_writers
 
 def test_every_rule_has_a_test_that_drives_it_and_a_failing_diagnosis_never_hides_a_report(monkeypatch):
     covered = {"bytes_changed", "slot_reused", "table_shifted", "foreign_slot", "write_position", "write_input",
-               "transfer", "never_written"}
+               "transfer", "never_written", "padding_write"}
     assert {k for k, _, _ in RULES} == covered
     import kvcanary.canary as cm
 

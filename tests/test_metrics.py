@@ -68,6 +68,8 @@ def test_a_scrape_matches_the_canary_counters_and_counts_violations_by_check(lla
         assert value(after, "kvcanary_content_coverage_ratio", **labels) == pytest.approx(
             st["content_slots_verified"] / st["slots_verified"])
         assert value(after, "kvcanary_last_update_timestamp_seconds", **labels) > 0
+        assert value(after, "kvcanary_unverified_age_max_steps", **labels) == st["unverified_age_max_steps"]
+        assert st["guard_checks"] > 0
     hits = value(after, "kvcanary_violations_total", engine="transformers", check="content", site="verify") - \
         value(before, "kvcanary_violations_total", engine="transformers", check="content", site="verify")
     want = sum(1 for v in guard.violations if Check.CONTENT in v.checks and v.site == Site.VERIFY)

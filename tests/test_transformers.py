@@ -352,3 +352,74 @@ def test_a_prefix_hit_verifies_every_byte_of_the_blocks_before_its_first_read(ll
     assert found and all(v.site == Site.FIRST_READ and v.checks == Check.CONTENT for v in found)
     assert min(v.step for v in found) == hit["forward"]  # reported before the forward that reads it
     assert hit["rid"] in {v.request for v in found}  # each first reader is named (several may hit one block)
+
+
+def test_a_write_into_the_read_trash_is_found_after_that_forward(llama):
+    """Padding tokens read their KV from the read trash, which the engine never writes: a stray
+    write into it (a padding write index left at 0) is found by the guards at the end of that forward,
+    diagnosed as a padding write, and nothing is reported before it."""
+    from kvcanary.faults.transformers_cb import full_group
+
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+    done = {}
+
+    def write_read_trash(prot, runner, batch):
+        if not done and prot.forwards == 5:
+            g = full_group(prot)
+            assert g.canary.layout.reserved == (0, 1) and g.canary.guard_slots == 3  # and the pool's last slot
+            g.canary.layout.sources[1].slot_bytes(0)[0, 3] ^= 0x10
+            done["forward"] = prot.forwards
+
+    out, guard = generate(llama, prompts(8, seed=2), CanaryConfig(mode="log"), hooks=[write_read_trash],
+                          max_new_tokens=8)
+    from kvcanary.diagnosis import explain
+    from kvcanary.violations import events
+
+    assert done
+    (ev,) = events(guard.violations)
+    assert ev.site == Site.GUARD and [v.slot for v in ev.violations] == [0]
+    assert ev.step == done["forward"]  # found at the end of that very forward
+    d = explain(ev)
+    assert d.kind == "padding_write" and "reserved" in d.evidence
+    assert guard.stats()["guard_checks"] > 0
+
+
+def test_a_padded_batch_reports_padding_writes_into_live_kv_only(llama):
+    """A batch padded to a static size sends its padding tokens' writes to the write trash; the
+    adapter passes the padded part of each write index to the canary, which reports a padding write
+    that went to a live slot and ignores the trash."""
+    from kvcanary.engines.transformers_steps import padding_writes
+    from kvcanary.faults.transformers_cb import full_group
+
+    seen = {}
+
+    def capture(prot, runner, batch):
+        if prot.forwards == 4 and not seen:
+            steps = prot.build_steps(runner, batch)
+            g = full_group(prot)
+            live = int((g.canary.stamps[:, 1] >= 0).nonzero()[0])
+            w = batch["write_index"][g.index]
+            padded = {**batch, "write_index": [torch.cat([w, torch.tensor([g.trash, g.trash])]) for w in
+                                               batch["write_index"]]}
+            seen["trash"] = padding_writes(prot.groups, padded, steps)
+            stray = torch.tensor([g.trash, (live // g.tpp) * g.stride + live % g.tpp])
+            padded["write_index"] = [torch.cat([w, stray]) for w in batch["write_index"]]
+            seen["stray"] = padding_writes(prot.groups, padded, steps)
+            seen["live"] = live
+            seen["plain"] = padding_writes(prot.groups, batch, steps)
+
+    generate(llama, prompts(6, seed=4), CanaryConfig(mode="log"), hooks=[capture], max_new_tokens=6)
+    assert seen["plain"] == {}  # unpadded: no padding writes
+    assert all(t.tolist() == [-1, -1] for t in seen["trash"].values())
+    g = "full_attention" if "full_attention" in seen["stray"] else next(iter(seen["stray"]))
+    assert seen["stray"][g].tolist() == [-1, seen["live"]]
+    from kvcanary import Canary
+    from kvcanary.step import Step
+
+    t = lambda *x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    c = Canary(64, config=CanaryConfig(mode="log"))
+    c.stamps[9, 1] = 3
+    c.after_forward(Step(slot_table=t(50)[None], cached_lens=t(0), new_offsets=t(0, 1), new_tokens=t(1),
+                         new_positions=t(0), new_slots=t(50)), t(-1, 9))
+    (v,) = c.poll()
+    assert v.slot == 9 and v.checks == Check.PADDING_WRITE

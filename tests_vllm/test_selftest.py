@@ -16,7 +16,11 @@ VLLM_FAULTS = {
     "reuse": {"POSITION", "LINK", "TOKEN", "EMPTY", "CONTENT"},
     "zero": {"CONTENT"},
     "flip_k": {"CONTENT"},
+    "flip_first_read": {"CONTENT"},
+    "write_null_block": {"CONTENT"},
 }
+# fault -> where its first detection must come from
+SITES = {"flip_first_read": "[first_read step", "write_null_block": "[guard step"}
 
 
 def selftest(*extra):
@@ -43,6 +47,8 @@ def test_selftest_vllm_fault_is_detected_in_time(matrix, fault):
     assert row["status"] == "ok" and row["runs"] == row["detected"] == 1, row["failures"]
     assert row["checks_fired"] and set(row["checks_fired"]) <= VLLM_FAULTS[fault], row
     assert 1 <= row["forwards_max"] <= row["deadline"], row
+    if fault in SITES:  # the first-read check (no content window, no patrol) and the null block's guard
+        assert all(SITES[fault] in (f or "") for f in row["first_detections"]), row
 
 
 def test_selftest_no_vllm_leaves_the_vllm_rows_out():

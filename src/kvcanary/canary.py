@@ -17,11 +17,12 @@ from kvcanary.diagnosis import annotate
 from kvcanary.errors import ConfigError, KvCanaryError, KvCorruptionError, UnsupportedError
 from kvcanary.layout import KvLayout
 from kvcanary.step import Step
-from kvcanary.violations import Counter, Site, Violation, ViolationRing, events
+from kvcanary.violations import F_STEP, Check, Counter, Site, Violation, ViolationRing, append_rows, events
 
 log = logging.getLogger("kvcanary")
 MAX_SLOTS = 1 << 62  # slot ids and byte offsets are int64
 F = TypeVar("F", bound=Callable[..., Any])
+_SCRUB_COUNTERS = [Counter.SLOTS_SCRUBBED, Counter.CONTENT_BYTES_SCRUBBED]
 
 
 def _guarded(recover: Callable[..., None] | None = None) -> Callable[[F], F]:
@@ -132,6 +133,11 @@ class Canary:
         patrol = self.config.patrol_for(self.device.type)
         # slots per forward of the engine-driven patrol (at least one when there are bytes to check)
         self.patrol_slots = min(num_slots, max(1, patrol // per_slot)) if patrol and per_slot else 0
+        # the scrub walk's calls (step, slots) back to the last that reached the slot at its cursor
+        self._patrol_visits: collections.deque[tuple[int, int]] = collections.deque()
+        self._patrol_walked = 0
+        self.forwards = 0  # forwards stamped, counted on the host (the device's STEPS counter needs a sync)
+        self._init_guards()
         self.internal_errors = 0
         self.disabled = False  # set when even forgetting every stamp failed: nothing is checked after
         self.unknown_possible = False  # some slot may be unknown: stamping seeds such rows from the prefix
@@ -166,6 +172,33 @@ class Canary:
                 "before kvcanary's kernels are imported, or use backend 'torch'"
             )
         return "triton"
+
+    def _init_guards(self) -> None:
+        """The guard slots (:class:`~kvcanary.layout.KvLayout`'s ``reserved`` and ``guards``, and the
+        pool's first and last slot): checked against the pool, on the pool's device."""
+        lay = self.layout
+        for name, ids in (("reserved", lay.reserved), ("guards", lay.guards)):
+            bad = [i for i in ids if not 0 <= i < self.num_slots]
+            if bad:
+                raise ConfigError(f"layout {name}: slot {bad[0]} is outside the pool, expected 0 .. {self.num_slots - 1}")
+        reserved = lay.reserved if lay.sources else ()
+        guarded = sorted(({0, self.num_slots - 1} | set(lay.guards)) - set(reserved)) if lay.sources else []
+        as_slots = lambda ids: torch.tensor(list(ids), dtype=torch.int64, device=self.device)  # noqa: E731
+        self._reserved, self._guarded = as_slots(reserved), as_slots(guarded)
+        n = len(reserved)
+        self._reserved_now = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._reserved_base = torch.zeros(n, dtype=torch.int64, device=self.device)  # fingerprints when first seen
+        if n:
+            self._ops["content"](self._reserved, self._table, self.num_slots, self._reserved_base)
+        # a change found since the last drain: the step (-1: none), the fingerprint before and after it
+        self._reserved_hit = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        self._reserved_was = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._reserved_got = torch.zeros(n, dtype=torch.int64, device=self.device)
+
+    @property
+    def guard_slots(self) -> int:
+        """Slots checked on every forward by :meth:`guard` (reserved and guarded live slots)."""
+        return int(self._reserved.shape[0] + self._guarded.shape[0])
 
     @property
     def step_id(self) -> int:
@@ -250,12 +283,20 @@ class Canary:
                             self.ring.rows, part)
 
     @_guarded(_forget_written)
-    def after_forward(self, step: Step) -> None:
+    def after_forward(self, step: Step, padding_slots: torch.Tensor | None = None) -> None:
         """Stamp every slot the step wrote, fingerprinting its KV bytes, and check the writes; then
-        verify the reads of slots this step wrote (``step.written_from``)."""
+        verify the reads of slots this step wrote (``step.written_from``).
+
+        ``padding_slots`` (int ``[n]``, optional): the slots the forward's padding tokens wrote,
+        where the engine's batch says so and they are not the engine's own padding slot (negative
+        ids: not written). One that holds a live sequence's stamp, or is reserved, is reported
+        (check ``PADDING_WRITE``); one outside the pool too (with ``BAD_SLOT``). Reads the slots on
+        the host: pass them only when there are some."""
         self._prepare(step)
         self._stamp(step, self.ring.counters, self.ring.rows)
         self._note_writers(step)
+        if padding_slots is not None:
+            self._check_padding(padding_slots)
         wf = step.written_from
         # a row reads what this step wrote only below its cached length: most steps have none
         after = step.split_reads()[1] if wf is not None and bool((wf.long() < step.cached_lens.long()).any()) else None
@@ -263,7 +304,25 @@ class Canary:
             self._restamp_followers(step)
             self._verify(step, ops.AFTER_WRITES)
             self.ring.counters[Counter.SLOTS_VERIFIED_AFTER_WRITE] += checks.read_counts(after).sum()
+        self.guard()  # a failure of its own is counted apart: this step's stamps stand
         self.ring.counters[Counter.STEPS] += 1
+        self.forwards += 1
+
+    def _check_padding(self, slots: torch.Tensor) -> None:
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+            raise KvCanaryError(f"padding_slots: expected a 1-d integer tensor of slot ids, got {slots!r}")
+        s = slots.to(self.device, torch.int64)
+        s = s[s >= 0]
+        inside = s < self.num_slots
+        st = self.stamps[torch.where(inside, s, 0)]
+        live = inside & (st[:, checks.POSITION] >= 0)
+        bad = live | (inside & torch.isin(s, self._reserved)) | ~inside
+        flags = torch.where(bad, int(Check.PADDING_WRITE), 0) | torch.where(inside, 0, int(Check.BAD_SLOT))
+        st = torch.where(inside[:, None], st, -1)
+        m1 = torch.full_like(s, -1)
+        cols = [m1, s, st[:, checks.POSITION], m1, st[:, checks.TOKEN], st[:, checks.POSITION], torch.zeros_like(s),
+                st[:, checks.LINK], torch.zeros_like(s), st[:, checks.CONTENT], m1]
+        append_rows(self.ring.counters, self.ring.rows, checks.pack(Site.WRITE, flags, self.step_id, cols))
 
     def _stamp(self, step: Step, counters: torch.Tensor, ring: torch.Tensor) -> None:
         self._ops["stamp"](self.stamps, self._table, step, counters, ring, unknown_possible=self.unknown_possible)
@@ -351,8 +410,52 @@ class Canary:
             self._ops["scrub"](self.stamps, self._table, self._next_patrol(self.patrol_slots), self.ring.counters,
                                self.ring.rows, Site.SCRUB)
 
+    @_guarded()
+    def guard(self) -> None:
+        """Check the guard slots (site ``guard``): the reserved slots' bytes against their
+        fingerprints when the canary was made (an engine's warm-up writes into them are found
+        too), and the guarded live slots (the pool's first and last slot, the layout's
+        ``guards``) against their stamps. :meth:`after_forward` runs it at the end of every
+        forward (the records carry that forward's step). No host sync: a changed reserved slot is
+        recorded on the device and reported at the next drain (one record per slot and drain)."""
+        if self._guarded.numel():  # counted as guard checks, not as scrubbed slots
+            scrubbed = self.ring.counters[_SCRUB_COUNTERS].clone()
+            self._ops["scrub"](self.stamps, self._table, self._guarded, self.ring.counters, self.ring.rows, Site.GUARD)
+            self.ring.counters[_SCRUB_COUNTERS] = scrubbed
+        if self._reserved.numel():
+            base, now = self._reserved_base, self._reserved_now
+            self._ops["content"](self._reserved, self._table, self.num_slots, now)
+            new = (now != base) & (self._reserved_hit < 0)
+            self._reserved_hit.copy_(torch.where(new, self.ring.counters[Counter.STEPS], self._reserved_hit))
+            self._reserved_was.copy_(torch.where(new, base, self._reserved_was))
+            self._reserved_got.copy_(torch.where(new, now, self._reserved_got))
+            base.copy_(now)
+        self.ring.counters[Counter.GUARD_CHECKS] += self.guard_slots
+
+    def _flush_guards(self) -> None:
+        """Put the reserved-slot changes recorded since the last drain into the ring (at a drain,
+        which syncs anyway)."""
+        if not self._reserved.numel():
+            return
+        hit = self._reserved_hit >= 0
+        if not bool(hit.any()):
+            return
+        s = self._reserved[hit]
+        m1 = torch.full_like(s, -1)
+        cols = [m1, s, m1, m1, m1, m1, torch.zeros_like(s), torch.zeros_like(s), self._reserved_got[hit],
+                self._reserved_was[hit], m1]
+        rows = checks.pack(Site.GUARD, torch.full_like(s, int(Check.CONTENT)), 0, cols)
+        rows[:, F_STEP] = self._reserved_hit[hit]
+        append_rows(self.ring.counters, self.ring.rows, rows)
+        self._reserved_hit[hit] = -1
+
     def _next_patrol(self, n: int) -> torch.Tensor:
         """The next ``n`` slots of the round-robin walk over the pool (scrub and patrol share it)."""
+        visits = self._patrol_visits
+        visits.append((self.forwards, n))
+        self._patrol_walked += n
+        while self._patrol_walked - visits[0][1] >= self.num_slots:
+            self._patrol_walked -= visits.popleft()[1]  # the slots at the cursor were walked over again since
         slots = (torch.arange(n, device=self.device) + self.scrub_cursor) % self.num_slots
         self.scrub_passes += (self.scrub_cursor + n) // self.num_slots
         self.scrub_cursor = (self.scrub_cursor + n) % self.num_slots
@@ -402,6 +505,7 @@ class Canary:
         if self.config.mode == "off" or self.disabled:
             return []
         try:
+            self._flush_guards()
             found = self.ring.drain()
             if self.unknown_possible:  # the drain synced already; one more look at the pool
                 self.unknown_possible = bool((self.stamps[:, checks.POSITION] == checks.UNKNOWN_POS).any())
@@ -438,12 +542,23 @@ class Canary:
         out["num_slots"] = self.num_slots
         # the patrol's worst-case re-verification latency for a slot no request reads, in forwards
         out["patrol_pass_steps"] = -(-self.num_slots // self.patrol_slots) if self.patrol_slots else 0
+        out["unverified_age_max_steps"] = self.unverified_age_max()
+        out["guard_slots"] = self.guard_slots
         return out
+
+    def unverified_age_max(self) -> int:
+        """At most how many forwards ago any stamped slot's bytes were last fingerprinted (stamped,
+        verified before a read, or scrubbed): the forwards since the scrub walk last passed the
+        slot at its cursor, or since the canary's first forward while no walk has covered the pool."""
+        if self._patrol_walked >= self.num_slots:
+            return self.forwards - self._patrol_visits[0][0]
+        return self.forwards
 
     def coverage(self) -> dict[str, float]:
         """How much the checks covered, as shares: of read slots, those whose bytes were
         re-fingerprinted (``content_verified``) and those in the unknown state
-        (``unverifiable``); the patrol scrub's passes over the pool (``scrub_passes``, with the
+        (``unverifiable``); the bound on how many forwards ago a stamped slot's bytes were last
+        fingerprinted (``unverified_age_max_steps``); the patrol scrub's passes over the pool (``scrub_passes``, with the
         fraction of the current one)."""
         return coverage_of(self.stats())
 
@@ -454,7 +569,8 @@ def coverage_of(stats: dict[str, int]) -> dict[str, float]:
     share = (lambda k: stats.get(k, 0) / read) if read else (lambda k: 0.0)
     pool = stats.get("num_slots", 0)
     return {"content_verified": share("content_slots_verified"), "unverifiable": share("slots_unverifiable"),
-            "scrub_passes": stats.get("scrub_passes", 0) + (stats.get("scrub_position", 0) / pool if pool else 0.0)}
+            "scrub_passes": stats.get("scrub_passes", 0) + (stats.get("scrub_position", 0) / pool if pool else 0.0),
+            "unverified_age_max_steps": float(stats.get("unverified_age_max_steps", 0))}
 
 
 def report(found: list[Violation], lost: int, mode: str,

@@ -112,7 +112,7 @@ def _bump(counters: torch.Tensor, *pairs: tuple[Counter, int | torch.Tensor]) ->
     counters.index_add_(0, idx, vals)
 
 
-def _pack(site: Site, checks: torch.Tensor, step_id: int, cols: list[torch.Tensor]) -> torch.Tensor:
+def pack(site: Site, checks: torch.Tensor, step_id: int, cols: list[torch.Tensor]) -> torch.Tensor:
     """Violation rows for the entries with a non-zero ``checks``; ``cols`` are fields 3.. in order."""
     hit = checks != 0
     n = int(hit.sum())
@@ -206,7 +206,7 @@ def verify(
     zero = torch.zeros_like(pos)
     cols = [row, slot, pos, torch.full_like(pos, -1) if exp_tok is None else exp_tok, s_tok, s_pos, exp_link,
             s_link, zero if exp_content is None else exp_content, s_cont, pred]
-    return _pack(Site.VERIFY, checks, step_id, cols)
+    return pack(Site.VERIFY, checks, step_id, cols)
 
 
 def stamp(
@@ -306,7 +306,7 @@ def stamp(
     zero = torch.zeros_like(tok)
     cols = [row, slot, exp_pos, torch.full_like(tok, -1) if exp_tok is None else exp_tok, tok, pos, zero, link,
             zero, full_content, table_slot]
-    return _pack(Site.WRITE, checks, step_id, cols)
+    return pack(Site.WRITE, checks, step_id, cols)
 
 
 def scrub(
@@ -333,4 +333,4 @@ def scrub(
     zero = torch.zeros_like(ls)
     cols = [m1, ls, got[:, POSITION], m1, got[:, TOKEN], got[:, POSITION], zero, got[:, LINK], exp,
             got[:, CONTENT], m1]
-    return _pack(site, checks, step_id, cols)
+    return pack(site, checks, step_id, cols)

@@ -36,7 +36,7 @@ def _coverage(st: dict) -> dict[str, float]:
 
     c = coverage_of(st)
     return {"content_verified_share": round(c["content_verified"], 4), "unverifiable_share": round(c["unverifiable"], 4),
-            "scrub_passes": round(c["scrub_passes"], 2)}
+            "scrub_passes": round(c["scrub_passes"], 2), "unverified_age_max_forwards": int(c["unverified_age_max_steps"])}
 
 
 def _scripted_run(args: argparse.Namespace) -> int:
@@ -271,21 +271,25 @@ def _selftest(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": ok, "matrix": rows, "soak": soak}))
         return 0 if ok else 1
-    head = f"{'fault':<30} {'zoo':<15} {'expected':<16} {'engine':<13} {'detected':<9} {'fwd':<5} checks fired"
+    head = (f"{'fault':<30} {'zoo':<15} {'expected':<16} {'engine':<13} {'detected':<9} {'fwd':<5} {'harm':<5} "
+            f"checks fired")
     print(head)
     print("-" * len(head))
     for r in rows:
         det = f"{r['detected']}/{r['runs']}" if r["runs"] else "-"
         fwd_s = "-" if r["forwards_max"] is None else str(r["forwards_max"])
+        harm = "-" if r.get("harmful_reads_max") is None else str(r["harmful_reads_max"])
         fired = ",".join(r["checks_fired"]) or (str(r.get("why", "")) if r["status"] == "miss" else "")  # type: ignore[arg-type]
         zoo = ",".join(r["zoo"])  # type: ignore[arg-type]
         mark = "" if r["status"] in ("ok", "miss") else "   <-- FAIL"
-        print(f"{r['fault']:<30} {zoo:<15} {r['expected']:<16} {r['engine']:<13} {det:<9} {fwd_s:<5} {fired}{mark}")
+        print(f"{r['fault']:<30} {zoo:<15} {r['expected']:<16} {r['engine']:<13} {det:<9} {fwd_s:<5} {harm:<5} "
+              f"{fired}{mark}")
     if soak["ran"]:
         print(f"\nclean soak: {soak['steps']} steps, {soak['slots_verified']} slots verified, "
               f"{soak['false_positives']} false positives; content re-verified on "
               f"{100 * soak['content_verified_share']:.1f}% of reads, {100 * soak['unverifiable_share']:.2f}% "
-              f"unknown, {soak['scrub_passes']} scrub passes")
+              f"unknown, {soak['scrub_passes']} scrub passes, every stamped slot re-fingerprinted within the last "
+              f"{soak['unverified_age_max_forwards']} forwards")
     else:
         print("\nclean soak: not run (--soak 0)")
     print("selftest " + ("passed" if ok else "FAILED"))
@@ -358,12 +362,15 @@ def _row(fault: str, zoo: Sequence[str], expected: str, engine: str, deadline: i
          results: list[Any]) -> dict[str, object]:
     """One matrix row: a fault's runs (``FaultResult``) on one engine."""
     fwd = [r.forwards_to_detect for r in results if r.forwards_to_detect is not None]
+    harm = [r.harmful_reads for r in results if getattr(r, "harmful_reads", None) is not None]
     good = all(r.ok for r in results)
     return {
         "fault": fault, "zoo": list(zoo), "expected": expected, "engine": engine,
         "runs": len(results), "detected": sum(r.detected for r in results),
         "checks_fired": sorted({c for r in results for c in r.checks_fired}),
         "forwards_max": max(fwd) if fwd else None, "deadline": deadline,
+        "harmful_reads_max": max(harm) if harm else None,
+        "first_detections": [r.first for r in results],
         "status": "ok" if good else "FAIL",
         "failures": [r.to_dict() for r in results if not r.ok],
     }

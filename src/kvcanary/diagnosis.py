@@ -11,6 +11,10 @@ class                what it means (and the evidence that picks it)
 ==================== ======================================================================
 transfer             a transfer landed nothing, torn bytes or another block's bytes: the
                      landed slots do not match the fingerprints that travelled with them
+padding_write        a padding token wrote real or reserved KV: the engine's batch sends a
+                     padding write to a slot stamped for a live sequence, or the bytes of a
+                     reserved slot (null block, read-padding page) or of a guarded slot (the
+                     pool's first or last: a zeroed or a wrapped -1 slot id) changed
 write_position       a token was written at the wrong position or to another slot than the
                      table holds (write-site checks)
 write_input          the forward wrote another token or position than the engine's input stream
@@ -72,6 +76,23 @@ META = Check.POSITION | Check.LINK | Check.TOKEN
 def _transfer(ev: Event, w: list[tuple[int, str] | None]) -> str | None:
     if ev.site == Site.TRANSFER and Check.CONTENT in ev.checks:
         return f"{ev.slots} landed slot(s) differ from the fingerprints that travelled with their stamps"
+    return None
+
+
+def _padding_write(ev: Event, w: list[tuple[int, str] | None]) -> str | None:
+    if ev.site == Site.WRITE and Check.PADDING_WRITE in ev.checks:
+        v = next(x for x in ev.violations if Check.PADDING_WRITE in x.checks)
+        if Check.BAD_SLOT in v.checks:
+            return f"a padding token wrote slot {v.slot}, outside the pool"
+        if v.stored_position >= 0:
+            return (f"a padding token of step {ev.step} wrote slot {v.slot}, stamped for position {v.stored_position} "
+                    f"of a live sequence ({ev.slots} such slot(s))")
+        return f"a padding token of step {ev.step} wrote reserved slot {v.slot}"
+    if ev.site == Site.GUARD and Check.CONTENT in ev.checks:
+        v = ev.violations[0]
+        what = ("reserved slot(s), which the engine never writes," if v.position < 0 else
+                "guarded slot(s) (where a zeroed or a wrapped -1 slot id lands), with intact stamps,")
+        return f"the bytes of {ev.slots} {what} changed by step {ev.step} (slot {v.slot})"
     return None
 
 
@@ -162,6 +183,7 @@ def _plain(rule: Callable[[Event, list], str | None]) -> Callable[[Event, list, 
 
 RULES: tuple[tuple[str, str, Callable[[Event, list, Holders | None], str | None]], ...] = (
     ("transfer", "a transfer landed nothing or the wrong bytes", _plain(_transfer)),
+    ("padding_write", "a padding write landed in real or reserved KV", _plain(_padding_write)),
     ("write_position", "a write at the wrong position or slot", _plain(_write_position)),
     ("write_input", "the forward wrote other tokens than its input", _plain(_write_input)),
     ("bytes_changed", "the KV bytes changed after they were written", _plain(_bytes_changed)),

@@ -297,12 +297,28 @@ def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class KvLayout:
-    """An ordered list of byte sources over one pool of KV slots (empty: metadata only)."""
+    """An ordered list of byte sources over one pool of KV slots (empty: metadata only), and the
+    pool's guard slots.
+
+    ``reserved`` are slots the engine never writes (a null block, the page padding tokens read
+    from): their bytes are fingerprinted when the canary is made and after every forward, so any
+    write into them, an engine's warm-up runs' included, is found. ``guards`` are live slots where a stray padding write
+    would land (a padding slot id that is a real slot); the pool's first slot (a zeroed index) and
+    last slot (a ``-1`` that wraps) are always guarded. A guarded slot that holds a stamp is
+    re-verified on every forward. Slot ids are checked against the pool by the canary.
+    """
 
     sources: tuple[ByteSource, ...] = ()
+    reserved: tuple[int, ...] = ()
+    guards: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", tuple(self.sources))
+        for name in ("reserved", "guards"):
+            ids = getattr(self, name)
+            if isinstance(ids, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise LayoutError(f"{name}: expected slot ids (integers), got {ids!r}")
+            object.__setattr__(self, name, tuple(sorted(set(int(i) for i in ids))))
         if len(self.sources) > MAX_SOURCES:
             raise LayoutError(
                 f"layout has {len(self.sources)} sources, more than the kernel source table holds "

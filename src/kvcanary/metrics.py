@@ -16,7 +16,8 @@ Counters mirror :meth:`kvcanary.canary.Canary.stats` (``kvcanary_<stat>_total``)
 read slots whose bytes were re-fingerprinted (``kvcanary_content_coverage_ratio``), the patrol
 scrub's position in its pass (``kvcanary_scrub_position_ratio``), the forwards one patrol pass takes
 (``kvcanary_patrol_pass_steps``: the worst-case delay before corruption of KV no request reads is
-found), and the time of the last update
+found), the oldest a stamped slot's last re-fingerprint can be (``kvcanary_unverified_age_max_steps``),
+and the time of the last update
 (``kvcanary_last_update_timestamp_seconds``: a canary that stops updating it is not running).
 """
 
@@ -50,6 +51,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "slots_unverifiable": ("kvcanary_unverifiable_slots", "Reads of slots in the unknown state (counted, never reported)"),
     "internal_errors": ("kvcanary_internal_errors", "Failures of the canary's own (counted, not raised)"),
     "violations_lost": ("kvcanary_violations_lost", "Violation records overwritten before they were drained"),
+    "guard_checks": ("kvcanary_guard_checks", "Guard slots (reserved, or where a stray padding write lands) checked"),
 }
 
 
@@ -78,6 +80,10 @@ class Metrics:
                                     "Forwards the patrol scrub takes over the whole pool: the worst-case delay before "
                                     "corrupted KV that no request reads is found (0: no patrol)", LABELS,
                                     registry=self.registry, **mp)
+        self.unverified_age = pc.Gauge("kvcanary_unverified_age_max_steps",
+                                       "At most how many forwards ago any stamped slot's KV bytes were last "
+                                       "re-fingerprinted (the patrol's walk bounds it)", LABELS,
+                                       registry=self.registry, **mp)
         self.updated = pc.Gauge("kvcanary_last_update_timestamp_seconds", "Unix time of the canary's last update",
                                 LABELS, registry=self.registry, **mp)
         self._seen: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
@@ -101,6 +107,7 @@ class Metrics:
             if stats.get("num_slots"):
                 self.scrub_position.labels(*key).set(stats.get("scrub_position", 0) / stats["num_slots"])
             self.patrol_pass.labels(*key).set(stats.get("patrol_pass_steps", 0))
+            self.unverified_age.labels(*key).set(stats.get("unverified_age_max_steps", 0))
             self.updated.labels(*key).set(time.time())
 
     def count(self, found: Iterable[Violation], labels: dict[str, str]) -> None:

@@ -28,6 +28,7 @@ class Check(enum.IntFlag):
     WRITE_INPUT_TOKEN = 256  # a new token differs from the expected input stream
     WRITE_INPUT_POSITION = 512  # a new token's position differs from the expected input stream
     WRITE_DUPLICATE = 1024  # two tokens of one step wrote one slot (each is reported; the slot is left unstamped)
+    PADDING_WRITE = 2048  # a padding token wrote a slot stamped for a live sequence, or a reserved slot
 
 
 class Site(enum.IntEnum):
@@ -38,6 +39,7 @@ class Site(enum.IntEnum):
     SCRUB = 2  # patrol scrub of cached slots
     TRANSFER = 3  # KV landed from another tier or machine, checked against its travelling stamps
     FIRST_READ = 4  # before a request's first read of KV another request wrote (a prefix-cache hit)
+    GUARD = 5  # after a forward, on a guard slot: a reserved slot's bytes changed, or a guarded live slot's
 
 
 # Field indices of a ring row.
@@ -63,6 +65,7 @@ class Counter(enum.IntEnum):
     VIOLATIONS = 11
     SLOTS_UNVERIFIABLE = 12  # read this step but in the unknown state (never seen written by this canary)
     SLOTS_VERIFIED_AFTER_WRITE = 13  # reads of slots the same step wrote, verified once they were stamped
+    GUARD_CHECKS = 14  # guard slots fingerprinted (reserved and guarded live slots, every forward)
 
 
 NUM_COUNTERS = len(Counter)
@@ -107,9 +110,10 @@ class Violation:
         where = f"row {self.row} " if self.row >= 0 else ""
         if self.request is not None:
             where = f"request {self.request} ({where.strip()}) "
+        reserved = self.site == Site.GUARD and self.position < 0
         s = (
             f"[{self.site.name.lower()} step {self.step}] {names}: {where}slot {self.slot} "
-            f"position {self.position}"
+            + ("(reserved)" if reserved else f"position {self.position}")
         )
         if Check.POSITION in self.checks or Check.EMPTY in self.checks:
             s += f" (slot holds position {self.stored_position})"
@@ -118,7 +122,9 @@ class Violation:
         if Check.WRITE_TABLE in self.checks:
             s += f" (table holds slot {self.aux})"
         if Check.CONTENT in self.checks:
-            s += " (KV bytes changed since stamped)"
+            s += " (KV bytes changed since the canary first saw them)" if reserved else " (KV bytes changed since stamped)"
+        if Check.PADDING_WRITE in self.checks:
+            s += " (a padding token wrote it)"
         return s
 
     def to_dict(self) -> dict[str, object]:

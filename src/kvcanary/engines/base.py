@@ -195,14 +195,18 @@ class Adapter:
             raise err
 
     def stats(self) -> dict[str, int]:
-        """Every canary's counters summed, with the adapter's own."""
+        """Every canary's counters summed (the worst of each canary's bounds in forwards), with the
+        adapter's own."""
         out: dict[str, int] = {}
         for c in self.canaries():
             for k, v in c.stats().items():
-                out[k] = out.get(k, 0) + v
+                out[k] = max(out.get(k, 0), v) if k in WORST_OF else out.get(k, 0) + v
         out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
         out["canary_us"] = int(self.seconds * 1e6)
         return out
+
+
+WORST_OF = frozenset({"patrol_pass_steps", "unverified_age_max_steps"})  # bounds: the largest, not the sum
 
 
 def _final_metrics(adapter: "Adapter | None") -> None:

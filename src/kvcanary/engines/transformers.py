@@ -29,7 +29,7 @@ from kvcanary.engines import transformers_hooks as cb_hooks
 from kvcanary.engines.base import Adapter
 from kvcanary.engines.hf_models import cb_configs, tiny_model
 from kvcanary.engines.transformers_quarantine import Quarantine
-from kvcanary.engines.transformers_steps import Group, build_steps, group_layout
+from kvcanary.engines.transformers_steps import Group, build_steps, group_layout, padding_writes
 from kvcanary.errors import ConfigError, UnsupportedError
 from kvcanary.step import Step
 from kvcanary.violations import Site, Violation
@@ -93,6 +93,7 @@ class Protection(Adapter):
         self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
         self._stream: Any = None
         self.quarantine = Quarantine(self)
+        self._padding: dict[str, torch.Tensor] = {}  # each group's padding writes of the forward in flight
         self._freed: dict[str, dict[int, torch.Tensor]] = {}  # group -> block -> stamps, freed since the last forward
 
     # ---- install / remove -------------------------------------------------------------------
@@ -220,6 +221,7 @@ class Protection(Adapter):
         for hook in self.hooks:
             hook(self, runner, batch)
         steps = self.build_steps(runner, batch, reqs)
+        self._padding = padding_writes(self.groups, batch, steps)
         self._verify_first_reads(reqs, steps)
         self.rows[self.forwards] = [fs.state.request_id for fs in reqs]
         self.rows.pop(self.forwards - self.config.history, None)
@@ -247,7 +249,7 @@ class Protection(Adapter):
 
     def _after(self, steps: dict[str, Step]) -> None:
         for name, step in steps.items():
-            self.groups[name].canary.after_forward(step)
+            self.groups[name].canary.after_forward(step, self._padding.get(name))
         for g in self.groups.values():  # this forward's share of the patrol over cold cache
             g.canary.patrol()
         self.forwards += 1

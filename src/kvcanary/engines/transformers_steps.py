@@ -3,6 +3,7 @@ built from the batch's own metadata (``read_index``, ``write_index``, the reques
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -46,9 +47,11 @@ class Group:
     def __init__(self, name: str, index: int, allocator: Any, config: CanaryConfig) -> None:
         self.name, self.index, self.allocator = name, index, allocator
         layout, num_slots = group_layout(allocator)
-        self.canary = Canary(num_slots, layout, config)
         self.tpp, self.stride = allocator.tokens_per_page, allocator.block_physical_stride
         self.trash = allocator.write_trash_index
+        # the read trash (padding tokens read it; the engine never writes it) and the sentinel next to it
+        reserved = {int(self.compact(torch.tensor(i))) for i in (allocator.read_trash_index, allocator.sentinel_index)}
+        self.canary = Canary(num_slots, dataclasses.replace(layout, reserved=tuple(reserved)), config)
 
     def compact(self, physical: torch.Tensor) -> torch.Tensor:
         physical = physical.long()
@@ -63,6 +66,21 @@ class Group:
         """The requests whose table in this group holds ``block``."""
         return [rid for rid, blocks in self.allocator.block_table.items() if block in blocks]
 
+
+
+def padding_writes(groups: dict[str, Group], batch: dict, steps: dict[str, Step]) -> dict[str, torch.Tensor]:
+    """Each group's slots that the batch's padding tokens write (the write index past the real
+    tokens, when the batch is padded to a static size), -1 where they go to the write trash as
+    they should. Empty for an unpadded batch (the usual case on a CPU) and on the fast path."""
+    out = {}
+    if batch.get("block_table") is None:
+        for name, step in steps.items():
+            g = groups[name]
+            write = batch["write_index"][g.index]
+            if write.shape[0] > step.num_new:
+                pad = write[step.num_new :].long()
+                out[name] = torch.where(pad == g.trash, -1, g.compact(pad))
+    return out
 
 
 def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, batch: dict,

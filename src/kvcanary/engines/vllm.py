@@ -177,7 +177,9 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         if build is None:
             raise UnsupportedError(f"vLLM CPU attention kernels {isa!r}: kvcanary describes the KV layouts of "
                                    f"'vec', 'vec16' and 'amx', not this one; the canary is off on this worker")
-        self.canary = Canary(num_blocks * bs, build(tensors, bs, heads, two_d // 2), self.config)
+        # block 0 is vLLM's null block: tables pad with it, nothing may write it
+        layout = dataclasses.replace(build(tensors, bs, heads, two_d // 2), reserved=tuple(range(bs)))
+        self.canary = Canary(num_blocks * bs, layout, self.config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -40,6 +40,10 @@ class FaultClass:
     zoo: tuple[str, ...]
     summary: str
     why_missed: str = ""
+    # "full": every read and the whole pool re-fingerprinted each forward (proves the check);
+    # "default": the default content budget and patrol, a pool larger than they cover per forward
+    # (proves the priorities: first reads, the patrol, the guards)
+    budget: str = "full"
 
 
 META = Check.POSITION | Check.LINK | Check.TOKEN | Check.EMPTY  # what a foreign or stale slot trips
@@ -73,6 +77,22 @@ CATALOG: tuple[FaultClass, ...] = (
                "a prefix-cache entry points at a block that was recycled for other tokens"),
     FaultClass("padding_write_into_real_slot", Point.AFTER_FORWARD, Outcome.DETECT, Check.CONTENT, 2, ("Z19",),
                "a padding token's write lands in a real, cached slot"),
+    FaultClass("padding_write_into_reserved", Point.AFTER_FORWARD, Outcome.DETECT, Check.CONTENT, 1, ("Z19",),
+               "a padding (or dummy-run) write lands in a reserved slot: the null block padding reads come from",
+               budget="default"),
+    FaultClass("padding_slot_wraps_to_live_kv", Point.AFTER_FORWARD, Outcome.DETECT, Check.CONTENT, 1, ("Z19",),
+               "a padding slot id of -1 wraps to the pool's last slot, which holds a live sequence's KV",
+               budget="default"),
+    FaultClass("padding_token_writes_live_slot", Point.BEFORE_FORWARD, Outcome.DETECT, Check.PADDING_WRITE, 1,
+               ("Z19",), "the batch sends a padding token's write to a stale slot that holds a live sequence's KV",
+               budget="default"),
+    FaultClass("cold_bytes_then_prefix_hit", Point.COLD, Outcome.DETECT, Check.CONTENT, 1, ("Z16", "Z05"),
+               "a byte of a cached block no request reads changes; a new request then hits it in the prefix cache "
+               "(forwards counted from that first read; no patrol, so only the first-read check can find it)",
+               budget="default_no_patrol"),
+    FaultClass("cold_bytes_never_read", Point.COLD, Outcome.DETECT, Check.CONTENT, 12, ("Z16", "Z37"),
+               "a byte of a cached block that no request reads again changes (found by the patrol within its pass)",
+               budget="default"),
     FaultClass("quant_scale_mixup", Point.AFTER_FORWARD, Outcome.MISS, Check(0), 0, ("Z11", "Z20"),
                "writer and reader use different quantization scales",
                "the bytes written are self-consistent; a per-slot fingerprint of them cannot know the scale was wrong"),

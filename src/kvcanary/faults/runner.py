@@ -7,14 +7,19 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
+import torch
+
+from kvcanary import checks
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.sim import workload
 from kvcanary.sim.engine import EngineSpec, ScriptedEngine
+from kvcanary.engines.base import WORST_OF
 from kvcanary.faults.catalog import CATALOG, FaultClass, Outcome, Point
 from kvcanary.faults.scripted import INJECTORS
 from kvcanary.diagnosis import annotate
-from kvcanary.violations import Check, events
+from kvcanary.step import Step
+from kvcanary.violations import Check, Site, events
 
 log = logging.getLogger("kvcanary")
 
@@ -37,6 +42,7 @@ class FaultResult:
     first: str | None = None
     injected_at: int | None = None  # the engine step (scripted) or forward (transformers) it landed in
     diagnosis: str | None = None  # the class kvcanary.diagnosis gives the first detecting event
+    harmful_reads: int | None = None  # reads of the corrupted slot by a forward before the first report
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,33 +68,62 @@ class _Feeder:
             self.eng.add_request(self.rng.choice(self.prefixes) + tail, self.rng.randint(2, 12))
 
 
+# the pool of the "default" budget runs: 4 KiB of KV a slot, so the default CPU budgets cover 64 read
+# slots a verify and 16 patrol slots a forward (a 12-forward pass over 192 slots)
+DEFAULT_BUDGET_SPEC = EngineSpec(num_layers=4, num_kv_heads=4, head_dim=64)
+
+
+def _reads_of(step: Step, slots: torch.Tensor) -> int:
+    """How many of the step's verified reads are of ``slots``."""
+    row, idx = checks.rows_of(checks.read_counts(step))
+    return int(torch.isin(step.lookup(row, step.starts()[row] + idx), slots).sum())
+
+
 def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = "paged",
                  base: EngineSpec | None = None) -> FaultResult:
     """Inject ``fc`` once into a busy scripted engine and run until detection or the deadline.
 
-    ``base`` gives the engine's geometry (default :class:`EngineSpec`'s: 48 blocks of 4 slots);
-    its layout, table, offload and seed are set from the other arguments and ``fc``.
+    ``base`` gives the engine's geometry (default :class:`EngineSpec`'s: 48 blocks of 4 slots, or
+    :data:`DEFAULT_BUDGET_SPEC` for a class run under the default budgets); its layout, table,
+    offload and seed are set from the other arguments and ``fc``. Block 0 is the engine's null
+    block (reserved). Under ``fc.budget == "full"`` every read and the whole pool are
+    re-fingerprinted each forward; under ``"default"`` the canary has the default configuration
+    and the engine drives it as the adapters do (first reads of prefix hits, a patrol share and
+    the guards after each forward); ``"default_no_patrol"`` leaves the patrol out.
     """
-    spec = replace(base or EngineSpec(), layout=layout, table=table,  # type: ignore[arg-type]
-                   offload=fc.point == Point.TRANSFER, seed=seed)
+    full = fc.budget == "full"
+    spec = replace(base or (EngineSpec() if full else DEFAULT_BUDGET_SPEC), layout=layout,  # type: ignore[arg-type]
+                   table=table, offload=fc.point == Point.TRANSFER, seed=seed,  # type: ignore[arg-type]
+                   null_block=True)
     eng = ScriptedEngine(spec)
-    canary = Canary(eng.num_slots, eng.layout,
-                    CanaryConfig(mode="log", content_budget_bytes=None, scrub_slots=eng.num_slots))
+    config = (CanaryConfig(mode="log", content_budget_bytes=None, scrub_slots=eng.num_slots) if full else
+              CanaryConfig(mode="log", patrol_budget_bytes=0 if fc.budget == "default_no_patrol" else "auto"))
+    canary = Canary(eng.num_slots, eng.layout, config)
     eng.canary = canary
     rng = random.Random(seed)
     feed = _Feeder(eng, rng)
     restore = _quiet()
     try:
+        reads: list[int] = []  # per forward after the fault landed: reads of the corrupted slot
+
+        def count_reads(e: ScriptedEngine, st: Step) -> None:
+            if inj is not None and inj.landed and "slot" in inj.detail:
+                reads.append(_reads_of(st, torch.tensor([inj.detail["slot"]])))
+
+        eng.hooks.setdefault("before_forward", []).append(count_reads)
+
         def step() -> list:  # type: ignore[type-arg]
             feed.top_up()
             eng.step()
-            canary.scrub()
+            if full:
+                canary.scrub()
             return canary.poll()
+
+        inj = None
 
         clean = [v for _ in range(8) for v in step()]
         if clean:
             return _result(fc, "scripted", seed, False, [], None, {"false_positive": clean[0].describe()})
-        inj = None
         for _ in range(30):
             inj = INJECTORS[fc.name](eng, rng)
             if inj is not None:
@@ -106,8 +141,11 @@ def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = 
                 fired = sorted({c.name or "" for v in hits for c in Check if c in v.checks})
                 diag = annotate(events(found), canary._writer_of)
                 kind = next(e.diagnosis.kind for e in diag if any(v in hits for v in e.violations))
+                # reads of this forward were verified before it ran only where a read check caught it
+                before = any(v.site in (Site.VERIFY, Site.FIRST_READ) for v in hits)
+                harmful = sum(reads[:-1]) + (0 if before or not reads else reads[-1]) if "slot" in inj.detail else None
                 return _result(fc, "scripted", seed, True, fired, eng.steps - landed_at, inj.detail, hits[0].describe(),
-                               landed_at, kind)
+                               landed_at, kind, harmful)
             if landed_at is not None and eng.steps - landed_at >= fc.max_forwards + 2:
                 break
         return _result(fc, "scripted", seed, False, [], None, inj.detail, at=landed_at)
@@ -117,15 +155,15 @@ def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = 
 
 def _result(fc: FaultClass, engine: str, seed: int, detected: bool, fired: list[str], forwards: int | None,
             detail: dict[str, Any], first: str | None = None, at: int | None = None,
-            diagnosis: str | None = None) -> FaultResult:
+            diagnosis: str | None = None, harmful: int | None = None) -> FaultResult:
     ok = detected and forwards is not None and forwards <= fc.max_forwards
     return FaultResult(fc.name, engine, seed, list(fc.zoo), fc.outcome.value, detected, fired, forwards,
-                       fc.max_forwards, ok, detail, first, at, diagnosis)
+                       fc.max_forwards, ok, detail, first, at, diagnosis, harmful)
 
 
 # transformers continuous batching: the fault classes its injectors reproduce
 CB_FAULTS = {"bit_flip": "flip_shared_byte", "table_redirect": "redirect_table_entry",
-             "slot_reused_while_referenced": "free_shared_block"}
+             "slot_reused_while_referenced": "free_shared_block", "padding_write_into_reserved": "write_read_trash"}
 
 
 def run_transformers(fc: FaultClass, seed: int, model: Any = None) -> FaultResult:
@@ -164,12 +202,12 @@ def run_transformers(fc: FaultClass, seed: int, model: Any = None) -> FaultResul
 
 def random_spec(rng: random.Random, seed: int) -> EngineSpec:
     """A randomized scripted engine for soaks: layout, table kind, page size, chunking, window,
-    padding rows and offload drawn from ``rng``; at least 96 slots."""
+    padding rows, offload and a null block drawn from ``rng``; at least 96 slots."""
     spec = EngineSpec(num_blocks=rng.choice([16, 24, 48]), block_size=rng.choice([1, 2, 4, 8]),
                       layout=rng.choice(["flat", "paged", "packed", "head_major", "mla"]),  # type: ignore[arg-type]
                       table=rng.choice(["block", "token"]), chunk_size=rng.choice([1, 4, 16]),  # type: ignore[arg-type]
                       window=rng.choice([None, None, 6]), pad_rows=rng.randint(0, 2), offload=rng.random() < 0.5,
-                      num_layers=2, seed=seed)
+                      num_layers=2, seed=seed, null_block=rng.random() < 0.5)
     return EngineSpec(**{**asdict(spec), "num_blocks": max(spec.num_blocks, 96 // spec.block_size)})
 
 
@@ -186,7 +224,7 @@ def soak(steps: int, seed: int = 0, progress: Callable[[int], None] | None = Non
         wl = workload.Workload(requests=40, seed=k, abort_p=0.05, preempt_p=0.1)
         n = workload.run(eng, wl, max_steps=steps - done, on_step=lambda e: (canary.scrub(), canary.poll()))
         for key, v in canary.stats().items():
-            total[key] = total.get(key, 0) + v
+            total[key] = max(total.get(key, 0), v) if key in WORST_OF else total.get(key, 0) + v
         done += n
         k += 1
         if progress is not None:

@@ -240,6 +240,104 @@ def _padding_write(e: ScriptedEngine, step: Step, rng: random.Random, d: dict) -
     return True
 
 
+def _garbage(e: ScriptedEngine, slot: int, rng: random.Random) -> None:
+    """Write another token's K/V (a padding token's) into ``slot``, as a stray write does."""
+    e.write_kv(torch.tensor([0]), torch.tensor([0]), torch.tensor([slot]), torch.tensor([rng.getrandbits(40)]))
+
+
+def _padding_into_reserved(e: ScriptedEngine, step: Step, rng: random.Random, d: dict) -> bool:
+    if not e.layout.reserved:
+        return False
+    slot = rng.choice(e.layout.reserved)
+    _garbage(e, slot, rng)
+    d.update(target="reserved", slot=slot)
+    return True
+
+
+def _holds_kv(e: ScriptedEngine, slot: int) -> bool:
+    """``slot`` holds written KV of a running request or of a cached prefix block."""
+    bs = e.spec.block_size
+    b, off = divmod(slot, bs)
+    if b in e.pool.lru:
+        return True
+    return any(b in r.blocks and r.computed > r.blocks.index(b) * bs + off for r in e.running)
+
+
+def padding_slot_wraps_to_live_kv(eng: ScriptedEngine, rng: random.Random) -> Injection | None:
+    """A padding token's slot id -1 wraps to the pool's last slot while that slot holds KV."""
+    last = eng.num_slots - 1
+    if not _holds_kv(eng, last):
+        return None
+    inj = Injection({"target": "wrapped -1", "slot": last}, landed=False, in_forward=True)
+
+    def fire(e: ScriptedEngine, step: Step) -> bool:
+        if not _holds_kv(e, last) or last in step.new_slots.tolist():
+            return False
+        _garbage(e, last, rng)
+        inj.landed = True
+        return True
+
+    _once(eng, "after_forward", fire)
+    return inj
+
+
+def _padding_token_write(e: ScriptedEngine, step: Step, rng: random.Random, d: dict) -> bool:
+    req = _live(e, rng)
+    if req is None:
+        return False
+    pos = rng.randrange(req.computed)
+    slot = e.slots_of(req, pos, pos + 1)[0]
+    if slot in step.new_slots.tolist():
+        return False
+    e.padding_writes = [slot]  # a stale write index left in the padded part of the batch
+    d.update(request=req.rid, position=pos, slot=slot)
+    return True
+
+
+def _flip_cold(eng: ScriptedEngine, rng: random.Random, block: int) -> int:
+    slot = block * eng.spec.block_size + rng.randrange(eng.spec.block_size)
+    src = rng.choice(eng.layout.sources)
+    row = src.slot_bytes(slot)[rng.randrange(src.rows)]
+    row[rng.randrange(row.shape[0])] ^= 1 << rng.randrange(8)
+    return slot
+
+
+def cold_bytes_then_prefix_hit(eng: ScriptedEngine, rng: random.Random) -> Injection | None:
+    """Flip a bit of a cached block no request reads, then send a request that hits it in the prefix
+    cache: it lands at that request's first forward, whose first-read verification must catch it."""
+    donors = [r for r in eng.finished if r.prompt_len > eng.spec.block_size]
+    donor = rng.choice(donors) if donors else None
+    block = eng.pool.cached.get(eng.prefix_hash(donor, 1)) if donor is not None else None
+    if block is None or block not in eng.pool.lru:
+        return None
+    slot = _flip_cold(eng, rng, block)
+    reader = eng.add_request(donor.tokens[: donor.prompt_len], 2)  # type: ignore[union-attr]
+    inj = Injection({"target": "cold", "block": block, "slot": slot, "reader": reader.rid}, landed=False,
+                    in_forward=True)
+
+    def reads(e: ScriptedEngine, step: Step) -> bool:
+        if reader in e.last_rows:
+            inj.landed = block in reader.blocks  # evicted before the hit: the flipped bytes were overwritten
+            inj.detail["evicted"] = not inj.landed
+            return True
+        return False
+
+    _once(eng, "before_forward", reads)
+    return inj
+
+
+def cold_bytes_never_read(eng: ScriptedEngine, rng: random.Random) -> Injection | None:
+    """Flip a bit of a cached block and take it out of the prefix cache and the pool: no request
+    reads or reuses it again, so only the patrol can find it."""
+    cold = [b for b in eng.pool.lru if b in eng.pool.hash_of]
+    if not cold:
+        return None
+    block = rng.choice(cold)
+    del eng.pool.lru[block]
+    del eng.pool.cached[eng.pool.hash_of.pop(block)]
+    return Injection({"target": "cold", "block": block, "slot": _flip_cold(eng, rng, block)})
+
+
 def _transfer(kind: str) -> Injector:
     def inject(eng: ScriptedEngine, rng: random.Random) -> Injection | None:
         if not eng.spec.offload:
@@ -331,4 +429,9 @@ INJECTORS: dict[str, Injector] = {
     "torn_offload": _transfer("torn_offload"),
     "prefix_cache_recycled_block": prefix_cache_recycled_block,
     "padding_write_into_real_slot": _step_hook("after_forward", _padding_write),
+    "padding_write_into_reserved": _step_hook("after_forward", _padding_into_reserved),
+    "padding_slot_wraps_to_live_kv": padding_slot_wraps_to_live_kv,
+    "padding_token_writes_live_slot": _step_hook("before_forward", _padding_token_write),
+    "cold_bytes_then_prefix_hit": cold_bytes_then_prefix_hit,
+    "cold_bytes_never_read": cold_bytes_never_read,
 }

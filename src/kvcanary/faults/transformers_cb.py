@@ -122,9 +122,22 @@ def flip_cold_byte(prot: Any, runner: Any, batch: dict, rng: random.Random, deta
     return True
 
 
+def write_read_trash(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """A stray write (a padding token's write index left at 0) lands in the read trash, the slot
+    padding tokens read their KV from and the engine never writes."""
+    g = full_group(prot)
+    slot = g.canary.layout.reserved[0]
+    src = rng.choice(g.canary.layout.sources)
+    off = rng.randrange(src.row_bytes)
+    src.slot_bytes(slot)[0, off] ^= 1 << rng.randrange(8)
+    detail.update(slot=slot, source=src.name, byte=off, reserved=True)
+    return True
+
+
 INJECTORS = {
     "flip_shared_byte": flip_shared_byte,
     "redirect_table_entry": redirect_table_entry,
     "free_shared_block": free_shared_block,
     "flip_cold_byte": flip_cold_byte,
+    "write_read_trash": write_read_trash,
 }

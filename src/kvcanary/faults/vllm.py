@@ -7,7 +7,11 @@ forward (each fires once, at the ``at``-th forward or the first later one where 
   entry off by a block, a wrong block id handed out);
 - ``reuse``: a block several requests still read is handed to another request, which writes its
   own KV into it (a block freed while still referenced and reused);
-- ``zero``: a live block's bytes are zeroed (zeroing a block that is still in use).
+- ``zero``: a live block's bytes are zeroed (zeroing a block that is still in use);
+- ``flip_first_read``: one bit of a cached block flips just before a new request's first read of it
+  through the prefix cache (cold KV corrupted while no request read it);
+- ``write_null_block``: a stray write (a padding token's, a dummy run's) lands in the null block,
+  block 0, which tables pad with and nothing may write.
 """
 
 from __future__ import annotations
@@ -150,4 +154,35 @@ def zero(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> boo
     return True
 
 
-INJECTORS = {"flip_k": _flip("k"), "flip_v": _flip("v"), "redirect": redirect, "reuse": reuse, "zero": zero}
+def flip_first_read(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    bs = conn.block_size
+    stamped = conn.canary.stamps[:, 1] >= 0
+    for rid, cached, blocks in _rows(md, meta, bs):
+        if rid is None or rid in conn._seen or cached < bs:
+            continue  # not a request's first forward with cached KV
+        old = [b for b in blocks if b != 0 and bool(stamped[b * bs : (b + 1) * bs].all())]  # written before now
+        if not old:
+            continue
+        block = rng.choice(old)
+        layer = rng.choice(list(conn.kv_caches))
+        kv = conn.kv_caches[layer]
+        t = rng.randrange(bs)
+        flat, off = _element(conn, layer, block, rng.randrange(kv.shape[1]), t, rng.randrange(kv.shape[3] // 2), "k")
+        flat[off] ^= 1 << rng.randrange(8)
+        detail.update(request=rid, block=block, slot=block * bs + t, layer=layer)
+        return True
+    return False
+
+
+def write_null_block(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    layer = rng.choice(list(conn.kv_caches))
+    kv = conn.kv_caches[layer]
+    t = rng.randrange(conn.block_size)
+    flat, off = _element(conn, layer, 0, rng.randrange(kv.shape[1]), t, rng.randrange(kv.shape[3] // 2), "v")
+    flat[off] ^= 0x40
+    detail.update(block=0, slot=t, layer=layer)
+    return True
+
+
+INJECTORS = {"flip_k": _flip("k"), "flip_v": _flip("v"), "redirect": redirect, "reuse": reuse, "zero": zero,
+             "flip_first_read": flip_first_read, "write_null_block": write_null_block}

@@ -46,6 +46,7 @@ class FaultSpec:
     reproduces: str  # the catalog class it is an instance of ("" when none is)
     checks: Check  # any of these firing at or after the injection counts as its detection
     max_forwards: int  # forwards within which it must be detected (1: the forward it lands in)
+    env: tuple[tuple[str, str], ...] = ()  # configuration over the selftest's (KVCANARY_* variables)
 
     @property
     def zoo(self) -> tuple[str, ...]:
@@ -65,6 +66,10 @@ FAULTS: tuple[FaultSpec, ...] = (
     _spec("reuse", "slot_reused_while_referenced", also=Check.CONTENT),
     FaultSpec("zero", "", Check.CONTENT, 1),  # a live block zeroed (vLLM zeroes blocks it believes free)
     _spec("flip_k", "bit_flip"),
+    # no content window and no patrol: only the first-read check can find it, before the read
+    FaultSpec("flip_first_read", "cold_bytes_then_prefix_hit", Check.CONTENT, 1,
+              (("KVCANARY_CONTENT_BUDGET_BYTES", "0"), ("KVCANARY_PATROL_BUDGET_BYTES", "0"))),
+    _spec("write_null_block", "padding_write_into_reserved"),
 )
 
 
@@ -246,7 +251,7 @@ def run_fault(spec: FaultSpec, seed: int, model: str) -> FaultResult:
     """Inject ``spec`` once into a tiny vLLM engine under the canary and judge the detection."""
     cfg = {"model": model, "canary": True, "fault": spec.name, "seed": seed, "max_seqs": 4}
     try:
-        out = run_in_subprocess(cfg, env={**SELFTEST_ENV, "KVCANARY_VIOLATIONS_LOG": None})
+        out = run_in_subprocess(cfg, env={**SELFTEST_ENV, **dict(spec.env), "KVCANARY_VIOLATIONS_LOG": None})
     except RuntimeError as e:
         return _result(spec, seed, {"error": str(e)})
     detail = out.get("fault") or {}

@@ -9,6 +9,8 @@ It is not a product: it exists so the canary can be exercised and attacked.
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -49,6 +51,7 @@ class EngineSpec:
     window: int | None = None
     pad_rows: int = 0
     offload: bool = False  # preemption copies KV (and stamps) to a host tier and reloads it
+    null_block: bool = False  # block 0 is never allocated: tables pad with it, and its slots are reserved
     seed: int = 0
 
 
@@ -89,6 +92,10 @@ class ScriptedEngine:
         self.pool = BlockPool(spec.num_blocks, spec.prefix_cache)
         self.num_slots = spec.num_blocks * spec.block_size
         self.kv, self.layout = make_kv(spec)
+        if spec.null_block:
+            self.pool.free.remove(0)
+            self.layout = dataclasses.replace(self.layout, reserved=tuple(range(spec.block_size)))
+        self.padding_writes: list[int] = []  # slots this step's padding tokens write (a fault sets them)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -190,6 +197,8 @@ class ScriptedEngine:
                     break
                 req.blocks.append(b)
             req.computed = len(req.blocks) * bs
+            if req.blocks and self.canary is not None:  # other requests wrote them: verified before the read
+                self.canary.first_read(torch.tensor(self.slots_of(req, 0, req.computed)))  # type: ignore[attr-defined]
             self.running.append(req)
 
     def _reserve(self, req: Request, upto: int, preempt: bool = True) -> bool:
@@ -225,9 +234,14 @@ class ScriptedEngine:
         if self.canary is not None:
             self.canary.before_forward(step)  # type: ignore[attr-defined]
         self.write_kv(step.new_tokens, step.new_positions, step.new_slots, self._seeds(plan))
+        pads, self.padding_writes = self.padding_writes, []
+        if pads:  # padding tokens that write somewhere: the engine's own batch says where
+            self.write_kv(torch.zeros(len(pads), dtype=torch.int64), torch.zeros(len(pads), dtype=torch.int64),
+                          torch.tensor(pads), torch.full((len(pads),), 7))
         self._run_hooks("after_forward", step)
         if self.canary is not None:
-            self.canary.after_forward(step)  # type: ignore[attr-defined]
+            self.canary.after_forward(step, torch.tensor(pads) if pads else None)  # type: ignore[attr-defined]
+            self.canary.patrol()  # type: ignore[attr-defined]  # this forward's share of the patrol scrub
         self._finish_step(plan)
         self._run_hooks("after_step", step)
         self.steps += 1
