@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Any, Callable, Iterable, TypeVar
 
+import numpy as np
 import torch
 
 from kvcanary import checks, eventlog, ops
@@ -22,7 +23,7 @@ from kvcanary.violations import F_STEP, Check, Counter, Site, Violation, Violati
 log = logging.getLogger("kvcanary")
 MAX_SLOTS = 1 << 62  # slot ids and byte offsets are int64
 F = TypeVar("F", bound=Callable[..., Any])
-_SCRUB_COUNTERS = [Counter.SLOTS_SCRUBBED, Counter.CONTENT_BYTES_SCRUBBED]
+_SCRUB_COUNTERS = [int(Counter.SLOTS_SCRUBBED), int(Counter.CONTENT_BYTES_SCRUBBED)]
 
 
 def _guarded(recover: Callable[..., None] | None = None) -> Callable[[F], F]:
@@ -185,6 +186,7 @@ class Canary:
         guarded = sorted(({0, self.num_slots - 1} | set(lay.guards)) - set(reserved)) if lay.sources else []
         as_slots = lambda ids: torch.tensor(list(ids), dtype=torch.int64, device=self.device)  # noqa: E731
         self._reserved, self._guarded = as_slots(reserved), as_slots(guarded)
+        self._guard_all = as_slots(list(reserved) + guarded)  # the fused path checks them in one pass
         n = len(reserved)
         self._reserved_now = torch.zeros(n, dtype=torch.int64, device=self.device)
         self._reserved_base = torch.zeros(n, dtype=torch.int64, device=self.device)  # fingerprints when first seen
@@ -305,8 +307,16 @@ class Canary:
             self._verify(step, ops.AFTER_WRITES)
             self.ring.counters[Counter.SLOTS_VERIFIED_AFTER_WRITE] += checks.read_counts(after).sum()
         self.guard()  # a failure of its own is counted apart: this step's stamps stand
-        self.ring.counters[Counter.STEPS] += 1
+        self._count(Counter.STEPS, 1)
         self.forwards += 1
+
+    def _count(self, counter: Counter, n: int) -> None:
+        """Add ``n`` to a device counter (on the fused CPU path through a numpy view: a torch index op
+        costs more than the rest of a small check)."""
+        if self.backend == "fused":
+            self.ring.counters.numpy()[counter] += n
+        else:
+            self.ring.counters[counter] += n
 
     def _check_padding(self, slots: torch.Tensor) -> None:
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
@@ -418,6 +428,13 @@ class Canary:
         ``guards``) against their stamps. :meth:`after_forward` runs it at the end of every
         forward (the records carry that forward's step). No host sync: a changed reserved slot is
         recorded on the device and reported at the next drain (one record per slot and drain)."""
+        if self.backend == "fused":
+            from kvcanary.fused.ops import guard
+
+            if self._guard_all.numel():
+                guard(self.stamps, self._table, self._guard_all, self._reserved.shape[0], self._reserved_base,
+                      self._reserved_hit, self._reserved_was, self._reserved_got, self.ring.counters, self.ring.rows)
+            return
         if self._guarded.numel():  # counted as guard checks, not as scrubbed slots
             scrubbed = self.ring.counters[_SCRUB_COUNTERS].clone()
             self._ops["scrub"](self.stamps, self._table, self._guarded, self.ring.counters, self.ring.rows, Site.GUARD)
@@ -438,7 +455,7 @@ class Canary:
         if not self._reserved.numel():
             return
         hit = self._reserved_hit >= 0
-        if not bool(hit.any()):
+        if not (hit.numpy().any() if hit.is_cpu else bool(hit.any())):
             return
         s = self._reserved[hit]
         m1 = torch.full_like(s, -1)
@@ -456,7 +473,10 @@ class Canary:
         self._patrol_walked += n
         while self._patrol_walked - visits[0][1] >= self.num_slots:
             self._patrol_walked -= visits.popleft()[1]  # the slots at the cursor were walked over again since
-        slots = (torch.arange(n, device=self.device) + self.scrub_cursor) % self.num_slots
+        if self.backend == "fused":
+            slots = torch.from_numpy((np.arange(n) + self.scrub_cursor) % self.num_slots)
+        else:
+            slots = (torch.arange(n, device=self.device) + self.scrub_cursor) % self.num_slots
         self.scrub_passes += (self.scrub_cursor + n) // self.num_slots
         self.scrub_cursor = (self.scrub_cursor + n) % self.num_slots
         return slots

@@ -171,7 +171,8 @@ class ViolationRing:
 
     def drain(self) -> list[Violation]:
         """Decode the rows written since the last drain (syncs with the device)."""
-        total = int(self.counters[Counter.VIOLATIONS])
+        c = self.counters
+        total = int(c.numpy()[Counter.VIOLATIONS] if c.is_cpu else c[Counter.VIOLATIONS])
         new = total - self.drained
         if new <= 0:
             return []

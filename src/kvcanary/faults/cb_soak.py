@@ -251,6 +251,7 @@ def _guard_report(guard: Any) -> dict[str, Any]:
     return {
         "forwards": st["forwards"], "slots_verified": st.get("slots_verified", 0),
         "slots_stamped": st.get("slots_stamped", 0), "slots_scrubbed": st.get("slots_scrubbed", 0),
+        "guard_checks": st.get("guard_checks", 0),
         "content_bytes": sum(st.get(k, 0) for k in ("content_bytes_verified", "content_bytes_stamped",
                                                      "content_bytes_scrubbed")),
         "slots_unverifiable": st.get("slots_unverifiable", 0),
@@ -307,7 +308,8 @@ def run_cb_config(cfg: CbConfig, hooks: Sequence[Any] = ()) -> dict[str, Any]:
     return res
 
 
-SUMMED = ("forwards", "slots_verified", "slots_stamped", "content_bytes", "internal_errors", "request_errors")
+SUMMED = ("forwards", "slots_verified", "slots_stamped", "guard_checks", "content_bytes", "internal_errors",
+          "request_errors")
 
 
 def draw_configs(n: int, seed: int) -> list[CbConfig]:

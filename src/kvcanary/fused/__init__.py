@@ -43,4 +43,6 @@ def _warm_up() -> None:
     ops.verify(stamps, table, step, counters, torch.zeros(1, dtype=torch.int64), None, ring)
     ops.scrub(stamps, table, one, counters, ring)
     ops.content(one, table, 8, torch.zeros(1, dtype=torch.int64))
+    base, hit, was, got = (torch.zeros(1, dtype=torch.int64) for _ in range(4))
+    ops.guard(stamps, table, torch.tensor([0, 7]), 1, base, hit, was, got, counters, ring)
     steps.written_from(step)

@@ -114,7 +114,7 @@ def record(counters, ring, cap, f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11
 
 def checked_out(t: torch.Tensor, shape: tuple[int, ...]) -> int:
     """Address of an int64 tensor the loops write: contiguous, of ``shape``, on the CPU."""
-    if t.dtype != torch.int64 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+    if t.dtype is not torch.int64 or t.shape != shape or not t.is_contiguous() or not t.is_cpu:
         raise ValueError(f"expected a contiguous int64 CPU tensor of shape {shape}, got {t.dtype} "
                          f"{tuple(t.shape)} on {t.device}")
     return t.data_ptr()

@@ -33,7 +33,8 @@ _K_CSLOTS, _K_CSKIP = int(Counter.CONTENT_SLOTS_VERIFIED), int(Counter.CONTENT_S
 _K_CBYTES, _K_UNVER = int(Counter.CONTENT_BYTES_VERIFIED), int(Counter.SLOTS_UNVERIFIABLE)
 _K_STAMPED, _K_SBYTES = int(Counter.SLOTS_STAMPED), int(Counter.CONTENT_BYTES_STAMPED)
 _K_SCRUBBED, _K_SCBYTES = int(Counter.SLOTS_SCRUBBED), int(Counter.CONTENT_BYTES_SCRUBBED)
-_SITE_VERIFY, _SITE_WRITE = int(Site.VERIFY), int(Site.WRITE)
+_SITE_VERIFY, _SITE_WRITE, _SITE_GUARD = int(Site.VERIFY), int(Site.WRITE), int(Site.GUARD)
+_K_GUARD = int(Counter.GUARD_CHECKS)
 ALL, BEFORE_WRITES, AFTER_WRITES = 0, 1, 2  # which reads verify takes (Step.split_reads)
 
 
@@ -272,6 +273,30 @@ def _scrub(stamps, num_slots, src, runs, keys, slots, esz, n, counters, ring, ca
 
 
 @njit(**JIT)
+def _guard(stamps, src, runs, keys, slots, nres, n, base, hit, was, got, counters, ring, cap):  # type: ignore[no-untyped-def]
+    step_id = ld_i64(counters + 8 * _STEPS)
+    for i in range(n):
+        s = ld_i64(slots + 8 * i)
+        fp = fold_slot(src, runs, keys, s)
+        if i < nres:  # a reserved slot: against its fingerprint, re-taken on a change
+            b = ld_i64(base + 8 * i)
+            if fp != b:
+                if ld_i64(hit + 8 * i) < 0:
+                    st_i64(hit + 8 * i, step_id)
+                    st_i64(was + 8 * i, b)
+                    st_i64(got + 8 * i, fp)
+                st_i64(base + 8 * i, fp)
+            continue
+        sa = stamps + 32 * s
+        pos = ld_i64(sa + 8)
+        cont = ld_i64(sa + 24)
+        if pos >= 0 and cont != fp:  # a guarded live slot: against its stamp
+            record(counters, ring, cap, _SITE_GUARD, _C_CONT, step_id, -1, s, pos, -1, ld_i64(sa), pos, 0,
+                   ld_i64(sa + 16), fp, cont, -1)
+    bump(counters, _K_GUARD, n)
+
+
+@njit(**JIT)
 def _content(src, runs, keys, num_slots, slots, esz, n, out):  # type: ignore[no-untyped-def]
     has_src = src.shape[0] > 0
     for i in range(n):
@@ -384,6 +409,19 @@ def content(slots: torch.Tensor, src: SourceTable, num_slots: int, out: torch.Te
     slots, esz = _slots_addr(slots)
     _content(src.src, src.runs, src.keys, num_slots, slots.data_ptr(), esz, slots.shape[0],
              checked_out(out, (slots.shape[0],)))
+
+
+def guard(stamps: torch.Tensor, src: SourceTable, slots: torch.Tensor, nres: int, base: torch.Tensor,
+          hit: torch.Tensor, was: torch.Tensor, got: torch.Tensor, counters: torch.Tensor, ring: torch.Tensor) -> None:
+    """:meth:`kvcanary.canary.Canary.guard` in one pass: ``slots`` (int64, in the pool) are the
+    ``nres`` reserved slots, then the guarded live ones. A reserved slot whose fingerprint differs
+    from ``base`` gets the step in ``hit`` (if none yet), the fingerprints before and after in
+    ``was`` and ``got``, and ``base`` the new one; a guarded slot that holds a stamp is compared with
+    it, a mismatch recorded in the ring (site ``guard``). Counts ``guard_checks``."""
+    c, rg, cap = _ring_args(counters, ring)
+    addr = [checked_out(t, (nres,)) for t in (base, hit, was, got)]
+    _guard(checked_out(stamps, (stamps.shape[0], 4)), src.src, src.runs, src.keys, checked_out(slots, (slots.shape[0],)),
+           nres, slots.shape[0], *addr, c, rg, cap)
 
 
 def validate(step: Step, num_slots: int) -> None:
