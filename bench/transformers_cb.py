@@ -6,12 +6,18 @@ median of each is reported (``overhead_pct``), and so is the canary's own host t
 run without it (``canary_time_pct``), which a shared, noisy machine disturbs less. One JSON line
 per workload.
 
-    python bench/transformers_cb.py [--repeats 5] [--device cpu|cuda]
+``--priorities`` adds a third run to each round: the canary without its content priorities (no
+patrol scrub, no first-read verification of prefix hits, no guard slots), so their cost per
+forward is the difference of the medians of two figures from the same run
+(``priorities_us_per_forward``; ``priorities_pct`` against the run without the canary).
+
+    python bench/transformers_cb.py [--repeats 5] [--device cpu|cuda] [--priorities]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -20,7 +26,8 @@ import time
 import torch
 
 from kvcanary import CanaryConfig
-from kvcanary.engines.transformers import cb_configs, protect, tiny_model
+from kvcanary.canary import Canary
+from kvcanary.engines.transformers import Protection, cb_configs, protect, tiny_model
 
 WORKLOADS = {
     # name: (requests, prefix length, tail length range, new tokens)
@@ -36,6 +43,18 @@ def prompts(n: int, prefix: int, tail: tuple[int, int], seed: int = 0) -> list[l
     return [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(*tail))] for _ in range(n)]
 
 
+@contextlib.contextmanager
+def without_priorities():  # type: ignore[no-untyped-def]
+    """The canary with no first-read verification and no guard slots (the patrol is off by config)."""
+    saved = Protection._verify_first_reads, Canary.guard
+    Protection._verify_first_reads = lambda self, reqs, steps: None  # type: ignore[method-assign]
+    Canary.guard = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Protection._verify_first_reads, Canary.guard = saved  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -44,6 +63,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--backend", default="auto", help="the canary's backend (kvcanary.ops: torch, fused, triton)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
+    ap.add_argument("--priorities", action="store_true",
+                    help="also run the canary without its content priorities (patrol, first reads, guards)")
     args = ap.parse_args()
     model = tiny_model(seed=0, layers=args.layers, hidden=args.hidden).to(args.device)
     for name in args.workloads.split(","):
@@ -51,13 +72,14 @@ def main() -> None:
         ps = prompts(n, prefix, tail)
         gen, cb = cb_configs(max_new_tokens=new, num_blocks=256, max_batch_tokens=256)
 
-        def run(on: bool) -> tuple[float, dict]:
+        def run(on: bool, plain: bool = False) -> tuple[float, dict]:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
             with torch.inference_mode():
                 if on:
-                    with protect(model, CanaryConfig(mode="log", backend=args.backend)) as guard:
+                    cfg = CanaryConfig(mode="log", backend=args.backend, patrol_budget_bytes=0 if plain else "auto")
+                    with protect(model, cfg) as guard, (without_priorities() if plain else contextlib.nullcontext()):
                         model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb)
                     stats = guard.stats()
                 else:
@@ -68,13 +90,35 @@ def main() -> None:
             return time.perf_counter() - t, stats
 
         run(False)  # warm-up
-        off, on, stats = [], [], {}
-        for _ in range(args.repeats):
+        off, on, plain, stats, pstats = [], [], [], {}, {}
+        us_on, us_plain = [], []  # the canary's own host time per forward, each run
+        per_fwd = lambda st: st.get("canary_us", 0) / max(1, st.get("forwards", 1))  # noqa: E731
+        for i in range(args.repeats):
             off.append(run(False)[0])
-            t, stats = run(True)
-            on.append(t)
+            # with --priorities the two canary runs swap places every round: the run right after the
+            # one without the canary is measurably slower on a small CPU, whichever it is
+            order = ((True, False) if i % 2 == 0 else (False, True)) if args.priorities else (True,)
+            for variant in order:
+                if variant:
+                    t, stats = run(True)
+                    on.append(t)
+                    us_on.append(per_fwd(stats))
+                else:
+                    t, pstats = run(True, plain=True)
+                    plain.append(t)
+                    us_plain.append(per_fwd(pstats))
         m_off, m_on = statistics.median(off), statistics.median(on)
         tokens = n * new
+        extra = {}
+        if plain:
+            d_us = statistics.median(us_on) - statistics.median(us_plain)
+            extra = {"overhead_pct_without_priorities": round(100 * (statistics.median(plain) - m_off) / m_off, 2),
+                     "canary_us_per_forward_median": round(statistics.median(us_on), 1),
+                     "canary_us_per_forward_without_priorities_median": round(statistics.median(us_plain), 1),
+                     "priorities_us_per_forward": round(d_us, 1),
+                     "priorities_pct": round(100 * d_us * stats.get("forwards", 0) / 1e6 / m_off, 2),
+                     "slots_scrubbed": stats.get("slots_scrubbed"), "guard_checks": stats.get("guard_checks"),
+                     "patrol_pass_steps": stats.get("patrol_pass_steps")}
         print(json.dumps({
             "workload": name, "device": args.device, "requests": n, "new_tokens": tokens,
             "wall_s_off": round(m_off, 4), "wall_s_on": round(m_on, 4),
@@ -88,7 +132,7 @@ def main() -> None:
             "content_bytes_stamped": stats.get("content_bytes_stamped"),
             "violations": stats.get("violations"), "internal_errors": stats.get("internal_errors"),
             "repeats": args.repeats, "threads": torch.get_num_threads(), "backend": args.backend,
-            "model": f"llama layers={args.layers} hidden={args.hidden}",
+            "model": f"llama layers={args.layers} hidden={args.hidden}", **extra,
         }), flush=True)
 
 
