@@ -30,8 +30,8 @@ EXIT_CODES = """exit status:
 
 
 def _coverage(st: dict) -> dict[str, float]:
-    """The coverage figures of a summary: shares of read slots content-verified and unknown, and
-    the patrol scrub's passes over the pool."""
+    """The coverage figures of a summary: shares of read slots content-verified and unknown, the
+    patrol scrub's passes over the pool and the bound on how long stamped bytes go unverified."""
     from kvcanary.canary import coverage_of
 
     c = coverage_of(st)
@@ -288,8 +288,8 @@ def _selftest(args: argparse.Namespace) -> int:
         print(f"\nclean soak: {soak['steps']} steps, {soak['slots_verified']} slots verified, "
               f"{soak['false_positives']} false positives; content re-verified on "
               f"{100 * soak['content_verified_share']:.1f}% of reads, {100 * soak['unverifiable_share']:.2f}% "
-              f"unknown, {soak['scrub_passes']} scrub passes, every stamped slot re-fingerprinted within the last "
-              f"{soak['unverified_age_max_forwards']} forwards")
+              f"unknown, {soak['scrub_passes']} scrub passes; every stamped slot's bytes re-fingerprinted at most "
+              f"{soak['unverified_age_max_forwards']} forwards ago")
     else:
         print("\nclean soak: not run (--soak 0)")
     print("selftest " + ("passed" if ok else "FAILED"))
