@@ -226,23 +226,30 @@ def _wrong_token(e: ScriptedEngine, step: Step, rng: random.Random, d: dict) -> 
     return True
 
 
-def _padding_write(e: ScriptedEngine, step: Step, rng: random.Random, d: dict) -> bool:
-    req = _live(e, rng)
-    if req is None:
-        return False
-    pos = rng.randrange(req.computed)
-    slot = e.slots_of(req, pos, pos + 1)[0]
-    written = set(step.new_slots.tolist())
-    if slot in written:
-        return False
-    e.write_kv(torch.tensor([0]), torch.tensor([0]), torch.tensor([slot]), torch.tensor([rng.getrandbits(40)]))
-    d.update(request=req.rid, position=pos, slot=slot)
-    return True
-
-
 def _garbage(e: ScriptedEngine, slot: int, rng: random.Random) -> None:
     """Write another token's K/V (a padding token's) into ``slot``, as a stray write does."""
     e.write_kv(torch.tensor([0]), torch.tensor([0]), torch.tensor([slot]), torch.tensor([rng.getrandbits(40)]))
+
+
+def _cached_slot(e: ScriptedEngine, step: Step, rng: random.Random, d: dict) -> int | None:
+    """A live request's cached slot that ``step`` does not write (recorded in ``d``), if any."""
+    req = _live(e, rng)
+    if req is None:
+        return None
+    pos = rng.randrange(req.computed)
+    slot = e.slots_of(req, pos, pos + 1)[0]
+    if slot in step.new_slots.tolist():
+        return None
+    d.update(request=req.rid, position=pos, slot=slot)
+    return slot
+
+
+def _padding_write(e: ScriptedEngine, step: Step, rng: random.Random, d: dict) -> bool:
+    slot = _cached_slot(e, step, rng, d)
+    if slot is None:
+        return False
+    _garbage(e, slot, rng)
+    return True
 
 
 def _padding_into_reserved(e: ScriptedEngine, step: Step, rng: random.Random, d: dict) -> bool:
@@ -282,15 +289,10 @@ def padding_slot_wraps_to_live_kv(eng: ScriptedEngine, rng: random.Random) -> In
 
 
 def _padding_token_write(e: ScriptedEngine, step: Step, rng: random.Random, d: dict) -> bool:
-    req = _live(e, rng)
-    if req is None:
-        return False
-    pos = rng.randrange(req.computed)
-    slot = e.slots_of(req, pos, pos + 1)[0]
-    if slot in step.new_slots.tolist():
+    slot = _cached_slot(e, step, rng, d)
+    if slot is None:
         return False
     e.padding_writes = [slot]  # a stale write index left in the padded part of the batch
-    d.update(request=req.rid, position=pos, slot=slot)
     return True
 
 
