@@ -339,8 +339,8 @@ def failure(res: dict[str, Any]) -> str | None:
 def soak(n: int, seed: int, progress: Callable[[int, dict[str, Any]], None] | None = None,
          configs: Sequence[CbConfig] | None = None) -> dict[str, Any]:
     """Run ``n`` drawn configurations (or ``configs``); ``progress(k, result)`` after each. Returns the aggregate."""
-    agg: dict[str, Any] = dict(configurations=0, forwards=0, slots_verified=0, slots_stamped=0, content_bytes=0,
-                               false_positives=0, internal_errors=0, request_errors=0, exceptions=0,
+    agg: dict[str, Any] = dict(configurations=0, forwards=0, slots_verified=0, slots_stamped=0, guard_checks=0,
+                               content_bytes=0, false_positives=0, internal_errors=0, request_errors=0, exceptions=0,
                                outputs_different=0, outputs_not_comparable=0, failed=[])
     for k, cfg in enumerate(draw_configs(n, seed) if configs is None else configs):
         res = run_cb_config(cfg)
