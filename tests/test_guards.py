@@ -36,7 +36,7 @@ def smash(layout, slot):
     layout.sources[0].slot_bytes(slot)[0, 0] ^= 0x5A
 
 
-@pytest.mark.parametrize("backend", ["torch", "fused"])
+@pytest.mark.parametrize("backend", ["torch", "fused", "triton"])
 def test_a_write_into_a_reserved_slot_is_reported_once_with_its_step(backend):
     c, layout = canary(backend)
     assert c.guard_slots == BS + 1  # the null block, and the pool's first and last slot...
@@ -59,7 +59,7 @@ def test_a_write_into_a_reserved_slot_is_reported_once_with_its_step(backend):
         c.poll()
 
 
-@pytest.mark.parametrize("backend", ["torch", "fused"])
+@pytest.mark.parametrize("backend", ["torch", "fused", "triton"])
 def test_a_guarded_live_slot_whose_bytes_change_is_reported_every_forward(backend):
     c, layout = canary(backend, guards=(17,))
     last = NB * BS - 1
@@ -95,7 +95,7 @@ def test_every_forward_runs_the_guards_and_a_guard_never_reports_an_unstamped_sl
     assert [(v.site, v.slot, v.step) for v in e.value.violations] == [(Site.GUARD, 1, 1)]  # that forward's step
 
 
-@pytest.mark.parametrize("backend", ["torch", "fused"])
+@pytest.mark.parametrize("backend", ["torch", "fused", "triton"])
 def test_padding_writes_into_live_or_reserved_slots_are_reported(backend):
     from kvcanary.step import Step
 
