@@ -51,6 +51,22 @@ def test_selftest_vllm_fault_is_detected_in_time(matrix, fault):
         assert all(SITES[fault] in (f or "") for f in row["first_detections"]), row
 
 
+@pytest.mark.parametrize("fault", [f for f in VLLM_FAULTS if f != "write_null_block"])
+def test_selftest_vllm_fault_names_the_request_it_hurt(matrix, fault):
+    """Each injected fault is reported with the request whose read it hurt (a reader of the corrupted
+    block, or the request whose table was redirected), and at the slot it corrupted."""
+    row = next(r for r in matrix[1]["matrix"] if r["engine"] == "vllm" and r["fault"] == fault)
+    (detail,) = row["details"]
+    hurt = set(detail["hurt"])
+    assert hurt, detail
+    if "readers" in detail:
+        assert hurt & set(detail["readers"]), detail
+    elif "request" in detail:
+        assert detail["request"] in hurt, detail
+    if "slot" in detail:
+        assert detail["slot"] in detail["hit_slots"], detail
+
+
 def test_selftest_no_vllm_leaves_the_vllm_rows_out():
     code, out = selftest("--no-vllm")
     assert code == 0 and out["ok"]

@@ -371,6 +371,7 @@ def _row(fault: str, zoo: Sequence[str], expected: str, engine: str, deadline: i
         "forwards_max": max(fwd) if fwd else None, "deadline": deadline,
         "harmful_reads_max": max(harm) if harm else None,
         "first_detections": [r.first for r in results],
+        "details": [r.detail for r in results],
         "status": "ok" if good else "FAIL",
         "failures": [r.to_dict() for r in results if not r.ok],
     }

@@ -270,6 +270,9 @@ def run_fault(spec: FaultSpec, seed: int, model: str) -> FaultResult:
         return _result(spec, seed, detail, at=at)
     first = hits[0]
     fired = sorted({c for v in hits if v["step"] == first["step"] for c in v["checks"]})
+    # whom the reports name, and where: the requests the fault hurt, the slots it hit
+    detail = {**detail, "hurt": sorted({v["request"] for v in hits if v["request"]}),
+              "hit_slots": sorted({v["slot"] for v in hits})[:64]}
     # a corruption present when forward k's checks run is found by forward k: 1 forward
     return _result(spec, seed, detail, fired, first["step"] - at + 1, first["text"], at)
 
