@@ -42,11 +42,8 @@ def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, cfg):
     assert sorted(run["tokens"].values()) == sorted(base["tokens"].values())
     if "num_blocks" in cfg:
         assert run["preemptions"] > 0  # the small pool did force preemption
-
-
-def test_a_prefix_hit_computed_in_the_same_forward_is_verified_after_it(tiny_llama):
-    st = engine(tiny_llama, canary=True)["stats"]
-    assert st["slots_verified_after_write"] > 0 and st["violations"] == 0
+    if not cfg:  # one batch of shared prefixes: prefix hits computed in the same forward, verified after it
+        assert st["slots_verified_after_write"] > 0
 
 
 # The injected faults (kvcanary.faults.vllm) run once each in test_selftest.py, through the selftest:
