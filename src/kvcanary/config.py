@@ -129,24 +129,23 @@ def _shown(v: object) -> str:
     return f"{type(v).__name__} {v!r}"
 
 
+def _auto_int(s: str, expected: str) -> int | str:
+    if s.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"expected {expected}, got {s!r}") from None
+
+
 def _budget(s: str) -> int | None | str:
     if s.strip().lower() in ("", "none", "unlimited"):
         return None
-    if s.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(s)
-    except ValueError:
-        raise ValueError(f"expected an integer, 'auto' or 'none', got {s!r}") from None
+    return _auto_int(s, "an integer, 'auto' or 'none'")
 
 
 def _patrol(s: str) -> int | str:
-    if s.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(s)
-    except ValueError:
-        raise ValueError(f"expected an integer or 'auto', got {s!r}") from None
+    return _auto_int(s, "an integer or 'auto'")
 
 
 def _int(s: str) -> int:

@@ -62,8 +62,10 @@ class Adapter:
             self.metrics = process_metrics()  # a clear error here when prometheus-client is missing
             if config.metrics_port is not None:
                 serve(config.metrics_port)
-        # (canary name, slot) -> the requests of this forward's first reads of it, in the order verified
-        self._first_reads: dict[tuple[str, int], list[str]] = {}
+        # canary name -> this forward's first reads (slots, request), in the order verified; and how
+        # many reports of each (name, slot) were matched to them so far
+        self._first_reads: dict[str, list[tuple[torch.Tensor, str]]] = {}
+        self._first_read_hits: dict[tuple[str, int], int] = {}
         self._published = time.monotonic()
         self._unpublished = 0
         if self.metrics is not None:  # the last counts of a process, where no hook says it ends
@@ -83,14 +85,24 @@ class Adapter:
         slots = slots[(slots >= 0) & (slots < c.num_slots)]
         if slots.numel():
             c.first_read(slots)
-            for s in slots.tolist():
-                self._first_reads.setdefault((name, s), []).append(rid)
+            self._first_reads.setdefault(name, []).append((slots, rid))
 
     def first_reader(self, name: str, v: Violation) -> str | None:
-        """The request a ``first_read`` violation of canary ``name`` was verified for (the ring keeps
-        the order the reads were verified in)."""
-        readers = self._first_reads.get((name, v.slot))
-        return readers.pop(0) if readers else None
+        """The request a ``first_read`` violation of canary ``name`` was verified for: the ring keeps
+        the order the reads were verified in, so the k-th report of a slot is its k-th first read.
+        Looked up only when there is a report; the verification records no more than its slots."""
+        key = (name, v.slot)
+        k = self._first_read_hits.get(key, 0)
+        readers = [rid for slots, rid in self._first_reads.get(name, []) if bool((slots == v.slot).any())]
+        if k >= len(readers):
+            return None
+        self._first_read_hits[key] = k + 1
+        return readers[k]
+
+    def forget_first_reads(self) -> None:
+        """Drop the record of the forward's first reads (once its reports are out)."""
+        self._first_reads.clear()
+        self._first_read_hits.clear()
 
     def named_canaries(self) -> dict[str, Canary]:
         """The adapter's canaries by the name of what each watches (a layer group, a pool)."""

@@ -255,7 +255,7 @@ class Protection(Adapter):
         self.forwards += 1
         self.poll()
         self.publish_metrics()
-        self._first_reads.clear()
+        self.forget_first_reads()
         if self.forwards % 64 == 0 and self.cache is not None:  # requests that left the cache
             live = {rid for a in self.cache.cache_allocators.values() for rid in a.block_table}
             self.book.forget_except(live)

@@ -215,7 +215,7 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         did not write: every byte of them is verified before this forward (up to the positions this
         same step writes or another connector lands, which are checked as they are written or land)."""
         assert self.canary is not None
-        self._first_reads.clear()
+        self.forget_first_reads()
         for i, rid in enumerate(rows):
             if not rid or rid in self._seen:
                 continue

@@ -53,17 +53,21 @@ def _shared_block(prot: Any, rng: random.Random) -> tuple[Any, int] | None:
     return (group, rng.choice(shared)) if shared else None
 
 
+def _flip_bit(g: Any, slot: int, rng: random.Random) -> dict:
+    """Flip one bit of one K or V byte of ``slot`` in group ``g``; what was flipped, for ``detail``."""
+    src = rng.choice(g.canary.layout.sources)
+    off = rng.randrange(src.row_bytes)
+    src.slot_bytes(slot)[0, off] ^= 1 << rng.randrange(8)
+    return {"slot": slot, "source": src.name, "byte": off}
+
+
 def flip_shared_byte(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
     """Flip one bit of a K or V byte in a prefix block shared by several requests."""
     picked = _shared_block(prot, rng)
     if picked is None:
         return False
     g, block = picked
-    slot = block * g.tpp + rng.randrange(g.tpp)
-    src = rng.choice(g.canary.layout.sources)
-    off = rng.randrange(src.row_bytes)
-    src.slot_bytes(slot)[0, off] ^= 1 << rng.randrange(8)
-    detail.update(block=block, slot=slot, source=src.name, byte=off)
+    detail.update(block=block, **_flip_bit(g, block * g.tpp + rng.randrange(g.tpp), rng))
     return True
 
 
@@ -115,10 +119,7 @@ def flip_cold_byte(prot: Any, runner: Any, batch: dict, rng: random.Random, deta
     if not slots:
         return False
     slot = rng.choice(slots)
-    src = rng.choice(g.canary.layout.sources)
-    off = rng.randrange(src.row_bytes)
-    src.slot_bytes(slot)[0, off] ^= 1 << rng.randrange(8)
-    detail.update(block=slot // g.tpp, slot=slot, source=src.name, byte=off, cold=True)
+    detail.update(block=slot // g.tpp, cold=True, **_flip_bit(g, slot, rng))
     return True
 
 
@@ -126,11 +127,7 @@ def write_read_trash(prot: Any, runner: Any, batch: dict, rng: random.Random, de
     """A stray write (a padding token's write index left at 0) lands in the read trash, the slot
     padding tokens read their KV from and the engine never writes."""
     g = full_group(prot)
-    slot = g.canary.layout.reserved[0]
-    src = rng.choice(g.canary.layout.sources)
-    off = rng.randrange(src.row_bytes)
-    src.slot_bytes(slot)[0, off] ^= 1 << rng.randrange(8)
-    detail.update(slot=slot, source=src.name, byte=off, reserved=True)
+    detail.update(reserved=True, **_flip_bit(g, g.canary.layout.reserved[0], rng))
     return True
 
 
