@@ -70,6 +70,57 @@ def test_an_empty_log_reports_nothing_and_an_unreadable_one_is_refused(tmp_path,
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     assert cli.main(["report", str(bad)]) == 2
-    said = capsys.readouterr().out
-    assert "cannot read" in said and "bad.jsonl" in said
+    said = capsys.readouterr().err
+    assert "cannot read" in said and "bad.jsonl" in said and "line 1" in said
     assert cli.main(["report", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
+GOOD = '{"site": "verify", "step": 3, "checks": ["CONTENT"], "violations": [{"slot": 40, "step": 3}]}'
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("[1,2,3]", "expected a JSON object (one violation event), got [1, 2, 3]"),
+    ("null", "expected a JSON object (one violation event), got null"),
+    ('{"step": "abc"}', "expected a violation event with fields site, step, checks, violations, got an object "
+                        "without site, checks, violations"),
+    ('{"violations": [1, 2]}', "got an object without site, step, checks"),
+    ('{"foo": 1}', "got an object without site, step, checks, violations (fields: foo)"),
+    ('{"site": "verify", "step": "abc", "checks": [], "violations": []}', 'step: expected an integer, got "abc"'),
+    ('{"site": "verify", "step": true, "checks": [], "violations": []}', "step: expected an integer, got true"),
+    ('{"site": "verify", "step": 1, "checks": [], "violations": [1, 2]}',
+     "violations[0]: expected an object (one slot record), got 1"),
+    ('{"site": "verify", "step": 1, "checks": [7], "violations": []}', "checks: expected a list of check names"),
+    ('{"site": "verify", "step": 1, "checks": [], "violations": [], "diagnosis": 5}',
+     "diagnosis: expected an object or null, got 5"),
+    ("{not json", "expected a JSON object (one violation event), got text that is not JSON"),
+])
+def test_a_line_that_is_not_an_event_is_refused_with_its_file_and_line(line, expected, tmp_path, capsys):
+    log = tmp_path / "odd.jsonl"
+    log.write_text(GOOD + "\n\n" + line + "\n")
+    assert cli.main(["report", str(log)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing printed before the refusal
+    assert f"kvcanary report: cannot read {str(log)!r} as a JSONL violation log: line 3: " in err
+    assert expected in err
+
+
+def test_an_event_line_with_only_the_needed_fields_is_read(tmp_path, capsys):
+    log = tmp_path / "min.jsonl"
+    log.write_text(GOOD + "\n")
+    assert cli.main(["report", str(log), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["events"] == 1
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("missing/out.html", "expected an existing directory to write the page in, got {d!r}, which does not exist"),
+    (".", "expected a file to write the page to, got a directory"),
+])
+def test_an_html_page_that_cannot_be_written_is_refused_before_the_summary(where, expected, tmp_path, capsys):
+    log = tmp_path / "v.jsonl"
+    log.write_text(GOOD + "\n")
+    out = str(tmp_path / where)
+    assert cli.main(["report", str(log), "--html", out]) == 2
+    said = capsys.readouterr()
+    assert said.out == ""
+    assert said.err.strip() == f"kvcanary report: --html {out}: " + expected.format(d=str(tmp_path / "missing"))

@@ -7,6 +7,7 @@
     ├── LayoutError (ValueError)       a KV layout that cannot be read as described
     ├── StepError (ValueError)         step metadata with a bad shape, dtype or value
     ├── UnsupportedError (RuntimeError) a device, dtype or engine version kvcanary cannot handle
+    ├── EventLogError (ValueError)     a violation log line that is not a violation event
     └── KvCorruptionError (RuntimeError) violations found in ``raise`` mode; carries the records
 """
 
@@ -36,6 +37,20 @@ class StepError(KvCanaryError, ValueError):
 
 class UnsupportedError(KvCanaryError, RuntimeError):
     """A device, dtype or engine version kvcanary cannot handle."""
+
+
+class EventLogError(KvCanaryError, ValueError):
+    """A line of a JSONL violation log (:mod:`kvcanary.eventlog`) is not a violation event.
+
+    Attributes
+    ----------
+    path, line : the file and the line (from 1)
+    reason : what was expected and what the line holds
+    """
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        self.path, self.line, self.reason = path, line, reason
+        super().__init__(f"{path}, line {line}: {reason}")
 
 
 class KvCorruptionError(KvCanaryError, RuntimeError):

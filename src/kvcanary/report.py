@@ -14,10 +14,12 @@ from __future__ import annotations
 import collections
 import html
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from kvcanary.errors import EventLogError
 from kvcanary.eventlog import read
 
 
@@ -234,11 +236,20 @@ h1{{font-size:20px}} h2{{font-size:16px;margin-top:1.5em}} .head{{font-size:15px
 
 
 def main(path: str, html_out: str | None = None, as_json: bool = False) -> int:
-    """``kvcanary report``: 0 when the log has no violations, 1 when it has, 2 when it cannot be read."""
+    """``kvcanary report``: 0 when the log has no violations, 1 when it has, 2 when it cannot be
+    read or the page cannot be written (said on stderr before anything is printed)."""
+    unwritable = html_out and _unwritable(html_out)
+    if unwritable:
+        print(f"kvcanary report: --html {html_out}: {unwritable}", file=sys.stderr)
+        return 2
     try:
         evs = read(path)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        print(f"kvcanary report: cannot read {path!r} as a JSONL violation log: {e}")
+    except EventLogError as e:
+        print(f"kvcanary report: cannot read {path!r} as a JSONL violation log: line {e.line}: {e.reason}",
+              file=sys.stderr)
+        return 2
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"kvcanary report: cannot read {path!r} as a JSONL violation log: {e}", file=sys.stderr)
         return 2
     s = summarize(evs)
     if as_json:
@@ -250,8 +261,24 @@ def main(path: str, html_out: str | None = None, as_json: bool = False) -> int:
     else:
         print_summary(s, path)
     if html_out:
-        with open(html_out, "w", encoding="utf-8") as f:
-            f.write(html_page(s, path))
+        try:
+            with open(html_out, "w", encoding="utf-8") as f:
+                f.write(html_page(s, path))
+        except OSError as e:  # checked above; the disk may still fill up
+            print(f"kvcanary report: --html {html_out}: cannot write the page ({e})", file=sys.stderr)
+            return 2
         if not as_json:
             print(f"wrote {html_out}")
     return 1 if s.events else 0
+
+
+def _unwritable(out: str) -> str | None:
+    """Why the page cannot be written to ``out`` ("expected X, got Y"), or ``None``."""
+    where = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        return "expected a file to write the page to, got a directory"
+    if not os.path.isdir(where):
+        return f"expected an existing directory to write the page in, got {where!r}, which does not exist"
+    if not os.access(where, os.W_OK):
+        return f"expected a writable directory to write the page in, got {where!r}, which is not writable"
+    return None
