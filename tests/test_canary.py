@@ -214,3 +214,61 @@ def test_the_patrol_walks_its_budget_per_call_and_states_its_pass_length():
     assert Canary(128, config=CanaryConfig()).patrol_slots == 0  # metadata only: nothing to re-read
     with pytest.raises(ConfigError, match="patrol_budget_bytes: expected an integer >= 0 or 'auto', got int -1"):
         CanaryConfig(patrol_budget_bytes=-1)
+
+
+# ---- violation sinks that fail in raise mode ------------------------------------------------------
+
+def _flipped(mode, **cfg):
+    """A primed canary with one flipped byte a verify finds, and the step that reads it."""
+    c, step, layout = primed(mode, **cfg)
+    layout.sources[0].slot_bytes(int(step.lookup(torch.tensor([1]), torch.tensor([4]))[0]))[0, -1] ^= 0xFF
+    return c, step
+
+
+def _boom(found):
+    raise RuntimeError("callback down")
+
+
+@pytest.mark.parametrize("sink", ["callback", "log_is_a_directory", "log_unwritable"])
+def test_a_failing_sink_still_raises_the_corruption_error_and_the_other_sinks_run(sink, tmp_path, caplog):
+    got = []
+    log_path = str(tmp_path / "v.jsonl")
+    if sink == "log_is_a_directory":
+        log_path = str(tmp_path)
+    elif sink == "log_unwritable":
+        log_path = str(tmp_path / "missing" / "v.jsonl")
+    callbacks = [_boom, got.extend] if sink == "callback" else [got.extend]
+    c, step = _flipped("raise", violations_log=log_path)
+    c.callbacks = callbacks
+    c.before_forward(step)
+    with caplog.at_level(logging.ERROR, "kvcanary"), pytest.raises(KvCorruptionError) as ei:
+        c.poll()
+    err = ei.value
+    assert err.first is not None and err.first.checks == Check.CONTENT
+    assert got == err.violations  # the callback after the failing sink ran
+    want = RuntimeError if sink == "callback" else OSError
+    assert len(err.sink_errors) == 1 and isinstance(err.sink_errors[0], want)
+    assert err.__cause__ is err.sink_errors[0] and "1 violation sink(s) failed" in str(err)
+    assert "attached to the KvCorruptionError" in caplog.text
+    if sink == "callback":
+        assert len(open(log_path).read().splitlines()) == 1  # the log before it was written
+
+
+def test_a_failing_sink_in_log_mode_is_counted():
+    c, step = _flipped("log")
+    c.callbacks = [_boom]
+    c.before_forward(step)
+    assert c.poll() and c.stats()["internal_errors"] == 1
+
+
+def test_an_adapters_failing_sink_still_raises_and_leaves_the_error_pending(tmp_path):
+    from kvcanary.engines.base import Adapter
+
+    c, step = _flipped("raise")
+    c.before_forward(step)
+    found = c.drain()
+    adapter = Adapter(CanaryConfig(mode="raise", violations_log=str(tmp_path)), on_violation=_boom)
+    with pytest.raises(KvCorruptionError) as ei:
+        adapter.report(found)
+    assert adapter.pending is ei.value and adapter.violations == found
+    assert [type(e) for e in ei.value.sink_errors] == [IsADirectoryError, RuntimeError]

@@ -599,8 +599,10 @@ def report(found: list[Violation], lost: int, mode: str,
            holders_of: Callable[[Violation], list[str] | None] | None = None, **context: Any) -> int:
     """Report drained violations: appended to the JSONL violation log (``log_path``, one line per
     event, with ``context`` such as the engine and rank), then the callbacks, then one log line
-    per event, or in ``raise`` mode :class:`KvCorruptionError`. Returns how many of those sinks
-    failed (counted as internal errors by the caller; in ``raise`` mode a failing sink raises)."""
+    per event, or in ``raise`` mode :class:`KvCorruptionError`. Every sink runs even when one
+    before it fails. Returns how many sinks failed (counted as internal errors by the caller); in
+    ``raise`` mode the :class:`KvCorruptionError` is raised all the same, carrying the sinks'
+    exceptions (``sink_errors``, the first as its ``__cause__``)."""
     if not found and not lost:
         return 0
     try:  # a diagnosis that fails leaves the events undiagnosed, never unreported
@@ -608,25 +610,26 @@ def report(found: list[Violation], lost: int, mode: str,
     except Exception:
         log.exception("kvcanary: diagnosing violations failed (reported without a diagnosis)")
         evs = events(found)
-    errors = 0
+    failed: list[Exception] = []
     sinks: list[Callable[[], object]] = [lambda: eventlog.append(log_path, evs, **context)] if log_path else []
     sinks += [functools.partial(cb, found) for cb in callbacks]
     for sink in sinks:
-        if mode == "raise":
-            sink()
-            continue
         try:
             sink()
-        except Exception:
-            errors += 1
-            log.exception("kvcanary: a violation sink (log file or on_violation callback) failed (counted, not raised)")
+        except Exception as e:  # the violations are reported all the same, by the other sinks and the error
+            failed.append(e)
+            log.error("kvcanary: a violation sink (log file or on_violation callback) failed (%s)",
+                      "attached to the KvCorruptionError" if mode == "raise" else "counted, not raised", exc_info=e)
     if mode == "raise":
-        raise KvCorruptionError(found, lost)
+        err = KvCorruptionError(found, lost, sink_errors=failed)
+        if failed:
+            raise err from failed[0]
+        raise err
     for ev in evs:
         log.warning("kvcanary violation %s", ev.describe())
     if lost:
         log.warning("kvcanary: %d violations overflowed the ring before they were drained", lost)
-    return errors
+    return len(failed)
 
 
 def _check_stamp_memory(num_slots: int, device: torch.device) -> None:

@@ -63,14 +63,18 @@ class KvCorruptionError(KvCanaryError, RuntimeError):
         the engine adapter knows them
     lost : how many further violations overflowed the ring before they could be drained
     requests : the ids of the requests the records name, sorted
+    sink_errors : the exceptions of violation sinks (the JSONL log, ``on_violation`` callbacks)
+        that failed while these violations were reported; the first is also the ``__cause__``
     """
 
-    def __init__(self, violations: Sequence[Violation], lost: int = 0, message: str | None = None) -> None:
+    def __init__(self, violations: Sequence[Violation], lost: int = 0, message: str | None = None,
+                 sink_errors: Sequence[BaseException] = ()) -> None:
         from kvcanary.violations import events
 
         self.violations = list(violations)
         self.lost = lost
         self.requests = sorted({v.request for v in self.violations if v.request is not None})
+        self.sink_errors = list(sink_errors)
         if message is None:
             evs = events(self.violations)
             head = "; ".join(e.describe() for e in evs[:3])
@@ -78,6 +82,10 @@ class KvCorruptionError(KvCanaryError, RuntimeError):
             lost_s = f", {lost} lost to ring overflow" if lost else ""
             who = f" hurting request(s) {', '.join(self.requests)}" if self.requests else ""
             message = f"{len(self.violations)} KV-cache violation(s){lost_s}{who}: {head}{more}"
+            if self.sink_errors:
+                first = self.sink_errors[0]
+                message += (f" [{len(self.sink_errors)} violation sink(s) failed while reporting them; first: "
+                            f"{type(first).__name__}: {first}]")
         super().__init__(message)
 
     @property
