@@ -108,6 +108,42 @@ def test_paged_dim_must_match_page_size():
         ByteSource.from_tensor("k", torch.zeros(3, 4, 16, dtype=torch.uint8), page_size=8)
 
 
+@pytest.mark.parametrize("field", ["reserved", "guards"])
+@pytest.mark.parametrize("value, shown", [(5, "int 5"), (None, "NoneType None"), ("12", "str '12'"),
+                                          ((0, 1.5), r"tuple \(0, 1.5\)"), ([True], r"list \[True\]")])
+def test_guard_slots_that_are_not_slot_ids(field, value, shown):
+    with pytest.raises(LayoutError, match=rf"^{field}: expected slot ids \(a sequence of integers\), got {shown}$"):
+        KvLayout(**{field: value})
+    assert KvLayout(**{field: range(3)}).__dict__[field] == (0, 1, 2)  # any iterable of integers
+
+
+HINT = (r" \(describe each tensor with ByteSource.from_tensor\(name, tensor, page_size=...\), or build the layout "
+        r"with KvLayout.from_tensors\(\[\(name, tensor\), ...\], page_size=...\)\)$")
+
+
+def test_bare_tensors_as_sources():
+    t = torch.zeros(4, 4, 16, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match=r"^sources\[0\]: expected a ByteSource, got Tensor" + HINT):
+        KvLayout((t,))
+    with pytest.raises(LayoutError, match=r"^sources\[1\]: expected a ByteSource, got Tensor" + HINT):
+        KvLayout([ByteSource.from_tensor("k", t, page_size=4), t])
+    with pytest.raises(LayoutError, match=r"^sources: expected a tuple of ByteSource, got Tensor" + HINT):
+        KvLayout(t)  # type: ignore[arg-type]
+
+
+def test_a_source_that_is_not_a_tensor():
+    import numpy as np
+
+    with pytest.raises(LayoutError, match=r"^source 'k': expected a torch.Tensor \(the engine's KV memory\), got "
+                                          r"ndarray \(torch.from_numpy wraps a numpy array without a copy\)$"):
+        ByteSource.from_tensor("k", np.zeros((4, 16), dtype=np.uint8), page_size=None)  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match=r"^source 'k': expected a torch.Tensor \(the engine's KV memory\), got list$"):
+        ByteSource.from_tensor("k", [[0] * 16] * 4)  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match=r"^source 'k': expected a torch.Tensor .*got NoneType$"):
+        ByteSource("k", None, page_size=1, num_pages=4, page_stride=16, token_stride=0, rows=1,  # type: ignore[arg-type]
+                   row_stride=16, row_bytes=16, offset=0)
+
+
 def test_evenly_spaced_sources_of_one_storage_fuse_into_one_gather():
     base = torch.randint(0, 255, (6, 4, 64), dtype=torch.uint8)  # [pages, 4 sources x 16 B, ...] interleaved
     srcs = tuple(ByteSource("s%d" % i, base, page_size=1, num_pages=6, page_stride=256, token_stride=0, rows=1,

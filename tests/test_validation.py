@@ -388,3 +388,73 @@ def test_canary_slot_arguments_out_of_range_or_of_the_wrong_kind(op, slots, msg)
     logged = Canary(NS, config=CanaryConfig(mode="log"))
     getattr(logged, op)(*args)  # log mode: counted, not raised
     assert logged.stats()["internal_errors"] == 1
+
+
+# ---- 8. steps that are not steps, block sizes that are not the layout's page size ---------------
+
+@pytest.mark.parametrize("op", ["before_forward", "after_forward"])
+@pytest.mark.parametrize("step", [None, {"cached_lens": [0]}])
+def test_a_step_that_is_not_a_step_is_named(op, step):
+    canary = Canary(NS, config=CanaryConfig(mode="raise"))
+    with pytest.raises(StepError, match=rf"^step: expected a kvcanary.step.Step, got {type(step).__name__}$"):
+        getattr(canary, op)(step)
+    logged = Canary(NS, paged_layout(NS // BS, BS), CanaryConfig(mode="log"))
+    logged.after_forward(row_step(0, 4, [0]))
+    getattr(logged, op)(step)  # log mode: counted, never raised into the engine
+    assert logged.stats()["internal_errors"] == 1
+    if op == "after_forward":  # which slots the forward wrote cannot be told: every stamp becomes unknown
+        assert bool((logged.stamps[:, checks.POSITION] == checks.UNKNOWN_POS).all())
+
+
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_a_block_size_other_than_the_layouts_page_size_is_refused(backend, monkeypatch):
+    canary = Canary(NS, paged_layout(NS // BS, BS), CanaryConfig(mode="raise", backend=backend))
+    step = row_step(0, 4, [0, 1], block_size=2 * BS)
+    with pytest.raises(StepError, match=r"^block_size: expected 4 \(the page size of the layout's paged sources\), "
+                                        r"got 8: the content checks would read other slots' bytes$"):
+        canary.before_forward(step)
+    canary.after_forward(row_step(0, 4, [0]))  # the page size: fine
+    calls = []
+    monkeypatch.setattr(Canary, "_check_pages", lambda self, s: calls.append(s))
+    good = row_step(4, 1, [0, 1])
+    canary.before_forward(good)
+    assert len(calls) == 1  # monkeypatched: counts calls, the real one memoizes in the step
+
+
+def test_the_page_check_runs_once_per_step_until_a_field_is_assigned():
+    canary = Canary(NS, paged_layout(NS // BS, BS), CanaryConfig(mode="raise"))
+    step = row_step(0, 4, [0])
+    canary.after_forward(step)
+    assert step.memo()["pages_ok"] == frozenset({BS})
+    step.block_size = 2 * BS  # an assignment drops the memo: checked again
+    with pytest.raises(StepError, match="block_size: expected 4"):
+        canary.before_forward(step)
+
+
+def test_tables_of_slot_ids_and_flat_layouts_go_with_any_block_size():
+    paged = Canary(NS, paged_layout(NS // BS, BS), CanaryConfig(mode="raise"))
+    paged.after_forward(row_step(0, 5, list(range(5)), block_size=1))  # a block table of slot ids
+    tokens = row_step(0, 3, [8, 9, 10], block_size=1)
+    tokens.slot_table, tokens.block_table = tokens.block_table, None  # a token table
+    paged.after_forward(tokens)
+    flat = KvLayout.from_tensors([("k", torch.zeros(NS, 16, dtype=torch.uint8))])
+    Canary(NS, flat, CanaryConfig(mode="raise")).after_forward(row_step(0, 4, [1], block_size=8))
+    none = Canary(NS, paged_layout(NS // BS, BS), CanaryConfig(mode="raise", content="none"))
+    none.after_forward(row_step(0, 4, [1], block_size=8))  # metadata only: no bytes are read
+    assert paged.poll() == []
+
+
+# ---- 9. guard slots on a layout without sources ------------------------------------------------
+
+@pytest.mark.parametrize("kw, shown", [(dict(reserved=(0, 1)), r"reserved=\(0, 1\)"),
+                                       (dict(guards=(5,)), r"guards=\(5,\)")])
+def test_guard_slots_on_a_layout_without_sources_are_refused(kw, shown):
+    with pytest.raises(LayoutError, match=rf"^layout: expected sources whose bytes the guard slots are checked in, got "
+                                          rf"{shown} on a layout without sources"):
+        Canary(NS, KvLayout(**kw), CanaryConfig(mode="log"))
+
+
+def test_a_metadata_only_canary_keeps_an_adapters_reserved_slots_quiet():
+    layout = dataclasses.replace(paged_layout(NS // BS, BS), reserved=tuple(range(BS)))
+    canary = Canary(NS, layout, CanaryConfig(mode="raise", content="none"))  # the canary's own choice: no bytes
+    assert canary.guard_slots == 0

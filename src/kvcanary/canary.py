@@ -15,7 +15,7 @@ import torch
 from kvcanary import checks, eventlog, ops
 from kvcanary.config import CanaryConfig
 from kvcanary.diagnosis import annotate
-from kvcanary.errors import ConfigError, KvCanaryError, KvCorruptionError, UnsupportedError
+from kvcanary.errors import ConfigError, KvCanaryError, KvCorruptionError, LayoutError, StepError, UnsupportedError
 from kvcanary.layout import KvLayout
 from kvcanary.step import Step
 from kvcanary.violations import F_STEP, Check, Counter, Site, Violation, ViolationRing, append_rows, events
@@ -52,6 +52,9 @@ def _guarded(recover: Callable[..., None] | None = None) -> Callable[[F], F]:
 
 
 def _forget_written(self: "Canary", step: Step, *_: Any) -> None:
+    if not isinstance(step, Step):  # which slots the forward wrote is unknown
+        self.forget_all()
+        return
     slots = step.new_slots.long()
     self._forget(slots[(slots >= 0) & (slots < self.num_slots)])
 
@@ -95,6 +98,10 @@ class Canary:
         if layout is not None and not isinstance(layout, KvLayout):
             raise ConfigError(f"layout: expected a KvLayout or None, got {type(layout).__name__}")
         layout = layout or KvLayout()
+        if (layout.reserved or layout.guards) and not layout.sources:
+            which = ", ".join(f"{k}={getattr(layout, k)}" for k in ("reserved", "guards") if getattr(layout, k))
+            raise LayoutError(f"layout: expected sources whose bytes the guard slots are checked in, got {which} on "
+                              "a layout without sources (metadata only: drop the guard slots, or add the sources)")
         if device is None:
             device = layout.sources[0].tensor.device if layout.sources else torch.device("cpu")
         try:
@@ -139,6 +146,8 @@ class Canary:
         self._patrol_walked = 0
         self.forwards = 0  # forwards stamped, counted on the host (the device's STEPS counter needs a sync)
         self._init_guards()
+        # page sizes of the paged sources: a block table step must address slots in pages of this size
+        self._pages = frozenset(s.page_size for s in self.layout.sources if s.page_size > 1)
         self.internal_errors = 0
         self.disabled = False  # set when even forgetting every stamp failed: nothing is checked after
         self.unknown_possible = False  # some slot may be unknown: stamping seeds such rows from the prefix
@@ -261,7 +270,11 @@ class Canary:
     # ---- the forward path ---------------------------------------------------------------------
 
     def _prepare(self, step: Step) -> None:
+        if not isinstance(step, Step):
+            raise StepError(f"step: expected a kvcanary.step.Step, got {type(step).__name__}")
         step.validate_shapes()
+        if self._pages:
+            self._check_pages(step)
         if step.cached_lens.device != self.device:
             raise UnsupportedError(f"step tensors on {step.cached_lens.device}, the canary's pool on {self.device}")
         if self.validate:
@@ -272,11 +285,30 @@ class Canary:
             else:
                 step.validate_once(self.num_slots)  # again whenever a tensor of the step changed in place
 
+    def _check_pages(self, step: Step) -> None:
+        """A block table step's ``block_size`` must be the layout's page size: slot ``b * block_size
+        + i`` is then in-page slot ``i`` of page ``b``, and the fingerprints read the bytes the engine
+        wrote. Tables of slot ids (a ``slot_table``, or a block table with block size 1) address
+        any layout. Checked once per step until a field of it is assigned (:meth:`Step.memo`)."""
+        memo = step.memo()
+        if memo.get("pages_ok") == self._pages:
+            return
+        if step.block_table is not None and step.block_size != 1 and self._pages != {step.block_size}:
+            raise StepError(f"block_size: expected {' or '.join(map(str, sorted(self._pages)))} (the page size of the "
+                            f"layout's paged sources), got {step.block_size}: the content checks would read other "
+                            "slots' bytes")
+        memo["pages_ok"] = self._pages
+
     @_guarded()
     def before_forward(self, step: Step) -> None:
         """Verify every cached slot the step's attention will read (position, link, token, content),
         except reads of slots this same step writes (``step.written_from``): those are verified by
-        :meth:`after_forward`, once the writes are stamped."""
+        :meth:`after_forward`, once the writes are stamped.
+
+        A ``step`` that is not a :class:`~kvcanary.step.Step`, or whose ``block_size`` is not the
+        layout's page size, is a :class:`~kvcanary.errors.StepError`: like every bad argument, raised
+        in ``raise`` mode, counted as an internal error (and logged) in ``log`` and ``quarantine``
+        mode, which never raise into the engine."""
         self._prepare(step)
         self._verify(step, ops.BEFORE_WRITES)
 
@@ -293,7 +325,10 @@ class Canary:
         where the engine's batch says so and they are not the engine's own padding slot (negative
         ids: not written). One that holds a live sequence's stamp, or is reserved, is reported
         (check ``PADDING_WRITE``); one outside the pool too (with ``BAD_SLOT``). Reads the slots on
-        the host: pass them only when there are some."""
+        the host: pass them only when there are some.
+
+        A bad ``step`` is handled as in :meth:`before_forward`; in ``log`` and ``quarantine`` mode
+        every slot then becomes unknown, since which slots the forward wrote cannot be told."""
         self._prepare(step)
         self._stamp(step, self.ring.counters, self.ring.rows)
         self._note_writers(step)

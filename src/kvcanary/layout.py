@@ -76,6 +76,7 @@ class ByteSource:
     pack_stride: int = 0
 
     def __post_init__(self) -> None:
+        _check_tensor(self.name, self.tensor)
         groups = tuple((int(n), int(st)) for n, st in self.groups)
         for n, st in groups:
             if n < 1:
@@ -244,6 +245,7 @@ class ByteSource:
         that the first of them may have any stride (it becomes ``rows``): a head-major layout is
         passed as a permuted view ``[num_pages, page_size, num_heads, head_dim]``.
         """
+        _check_tensor(name, tensor)
         lead = 1 if page_size is None else 2
         if tensor.dim() < lead + 1:
             raise LayoutError(
@@ -283,6 +285,22 @@ class ByteSource:
         )
 
 
+def _check_tensor(name: str, tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        hint = " (torch.from_numpy wraps a numpy array without a copy)" if type(tensor).__module__ == "numpy" else ""
+        raise LayoutError(f"source {name!r}: expected a torch.Tensor (the engine's KV memory), got "
+                          f"{type(tensor).__name__}{hint}")
+
+
+def _slot_ids(name: str, ids: object) -> tuple[int, ...]:
+    """``ids`` (an iterable of integers) as sorted unique slot ids; a clear error otherwise."""
+    ok = not isinstance(ids, (str, bytes)) and hasattr(ids, "__iter__")
+    items = list(ids) if ok else []  # type: ignore[call-overload]
+    if not ok or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        raise LayoutError(f"{name}: expected slot ids (a sequence of integers), got {type(ids).__name__} {ids!r}")
+    return tuple(sorted(set(items)))
+
+
 def _dense_strides(shape: Sequence[int]) -> list[int]:
     out, acc = [], 1
     for n in reversed(shape):
@@ -293,6 +311,10 @@ def _dense_strides(shape: Sequence[int]) -> list[int]:
 
 def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return all(n == 1 or s == d for n, s, d in zip(shape, strides, _dense_strides(shape)))
+
+
+_SOURCE_HINT = (" (describe each tensor with ByteSource.from_tensor(name, tensor, page_size=...), or build the "
+                "layout with KvLayout.from_tensors([(name, tensor), ...], page_size=...))")
 
 
 @dataclass(frozen=True, eq=False)
@@ -313,12 +335,15 @@ class KvLayout:
     guards: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.sources, (torch.Tensor, str, bytes)) or not hasattr(self.sources, "__iter__"):
+            raise LayoutError(f"sources: expected a tuple of ByteSource, got {type(self.sources).__name__}"
+                              f"{_SOURCE_HINT}")
         object.__setattr__(self, "sources", tuple(self.sources))
+        for i, src in enumerate(self.sources):
+            if not isinstance(src, ByteSource):
+                raise LayoutError(f"sources[{i}]: expected a ByteSource, got {type(src).__name__}{_SOURCE_HINT}")
         for name in ("reserved", "guards"):
-            ids = getattr(self, name)
-            if isinstance(ids, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise LayoutError(f"{name}: expected slot ids (integers), got {ids!r}")
-            object.__setattr__(self, name, tuple(sorted(set(int(i) for i in ids))))
+            object.__setattr__(self, name, _slot_ids(name, getattr(self, name)))
         if len(self.sources) > MAX_SOURCES:
             raise LayoutError(
                 f"layout has {len(self.sources)} sources, more than the kernel source table holds "
