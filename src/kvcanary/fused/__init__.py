@@ -1,8 +1,11 @@
 """The fused CPU path: each op of :mod:`kvcanary.ops` as one compiled loop (numba), bit for bit the
 torch reference. Importing this package imports nothing heavy; :func:`available` says whether the
-compiled loops can be used here."""
+compiled loops can be used here, compiling them first where they are not cached yet (in
+:func:`kvcanary.fused.cache.directory`; ``kvcanary warmup`` does it ahead of time)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 _why: list[str | None] = []
 
@@ -17,10 +20,40 @@ def available() -> str | None:
             _why.append(None)
         except Exception as e:  # an absent or broken numba: the torch path takes over
             _why.append(f"{type(e).__name__}: {e}")
+        else:
+            from kvcanary.fused import cache
+
+            if not cache.is_warm():  # every loop is in the cache now: the next warm-up says so at once
+                cache.mark_warm()
     return _why[0]
 
 
+def loops() -> dict[str, Any]:
+    """Every compiled loop called from Python (numba dispatchers by ``module.name``): what
+    :func:`available` compiles or loads. Imports the compiled modules."""
+    from numba.core.dispatcher import Dispatcher
+
+    from kvcanary.fused import _core, _step, ops, steps
+
+    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps) for k, v in vars(m).items()
+            if isinstance(v, Dispatcher) and v.targetoptions.get("inline") != "always"}
+
+
+def compiled() -> int:
+    """Signatures compiled in this process because the disk cache did not hold them."""
+    return sum(sum(d.stats.cache_misses.values()) for d in loops().values())
+
+
+def loaded() -> int:
+    """Signatures loaded from the disk cache in this process."""
+    return sum(sum(d.stats.cache_hits.values()) for d in loops().values())
+
+
 def _warm_up() -> None:
+    """Every compiled loop once, with every argument type the canary and the engine adapters pass
+    (the loops take tensors as descriptors: one signature each; the transformers adapter's step
+    building takes the engine's own index tensors: int64 indices, int32 cumulative lengths)."""
+    import numpy as np
     import torch
 
     from kvcanary.fused import ops, steps
@@ -46,3 +79,7 @@ def _warm_up() -> None:
     base, hit, was, got = (torch.zeros(1, dtype=torch.int64) for _ in range(4))
     ops.guard(stamps, table, torch.tensor([0, 7]), 1, base, hit, was, got, counters, ring)
     steps.written_from(step)
+    steps.note_writers(step, torch.full((9, 2), -1, dtype=torch.int64), 8, 0)
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    steps.rows_table(i64(), np.array([0, 1], dtype=np.int32), i64(1), i64(0), i64(0), 8, 8, -1,
+                     np.zeros((2, 2), dtype=np.int64), i64(0), i64(0), np.zeros((0, 0), dtype=np.int64), i64())

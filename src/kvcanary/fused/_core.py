@@ -13,10 +13,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
 
 from kvcanary import hashing
+from kvcanary.fused.cache import njit
 from kvcanary.layout import KvLayout
 
 JIT = dict(cache=True, nogil=True, error_model="numpy")  # compiled once per machine, cached on disk

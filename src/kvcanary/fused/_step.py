@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
 
 from kvcanary.fused._core import JIT, addr, addr2, ld, ld_i64, st_i64
+from kvcanary.fused.cache import njit
 from kvcanary.step import _SLOT_LIMIT, Step
 
 # 1-d tensors: address, element size, stride (elements); address 0: absent

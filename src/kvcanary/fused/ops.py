@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
 
 from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UNKNOWN_POS
 from kvcanary.errors import KvCanaryError
@@ -19,6 +18,7 @@ from kvcanary.fused._core import JIT, SEED, SourceTable, fold_slot, g_term, ld_i
 from kvcanary.fused._step import (CL, ENP, ENT, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
                                   describe, lookup, rd, rd2, record, start, table_row, valid)
 from kvcanary.fused._step import TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
+from kvcanary.fused.cache import njit
 from kvcanary.step import Step
 from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS, Check, Counter, Site
 

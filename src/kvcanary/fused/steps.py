@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
 
 from kvcanary.fused._core import JIT
 from kvcanary.fused._step import BSIZE, CL, IS_BLOCK, NNEW, NO, NROWS, NS, describe, lookup, rd, valid
+from kvcanary.fused.cache import njit
 from kvcanary.step import Step
 
 

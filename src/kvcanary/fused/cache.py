@@ -1,0 +1,133 @@
+"""Where the fused CPU loops are compiled to: a directory of kvcanary's own.
+
+numba compiles each loop on its first call and, with ``cache=True``, keeps the machine code on
+disk; by default beside the source, in the package's ``__pycache__``: read-only in many installs,
+and shared by every environment that imports one checkout (whose numba versions then overwrite
+each other's files). kvcanary's loops go to :func:`directory`: ``$KVCANARY_CACHE_DIR``, else
+``$XDG_CACHE_HOME/kvcanary/numba-<numba version>-py<major.minor>`` (``~/.cache`` without
+``XDG_CACHE_HOME``).
+
+numba picks a function's cache directory when its ``@njit(cache=True)`` decorator runs, from
+``numba.config.CACHE_DIR``. :func:`njit` sets that value only while it decorates one of kvcanary's
+loops and restores it at once, so other libraries' numba code (vLLM's) keeps numba's own setting.
+Where the directory cannot be created or written, numba's default takes over, with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+ENV_VAR = "KVCANARY_CACHE_DIR"
+MARKER = "kvcanary-warm"  # in the directory: what the last complete warm-up compiled from
+log = logging.getLogger("kvcanary")
+_lock = threading.Lock()
+_usable: list[str | None] = []  # memo of usable_directory(): one check and one warning per process
+
+
+def numba_version() -> str:
+    """The installed numba's version, read without importing numba ("" where it is missing)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("numba")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def default_directory(environ: Any = None) -> str:
+    """``$XDG_CACHE_HOME/kvcanary/numba-<numba version>-py<major.minor>`` (``~/.cache`` without
+    ``XDG_CACHE_HOME``): one directory per numba and Python version, so environments sharing one
+    checkout never overwrite each other's compiled loops."""
+    env = os.environ if environ is None else environ
+    root = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    return os.path.join(root, "kvcanary", f"numba-{numba_version()}-py{py}")
+
+
+def directory(environ: Any = None) -> str:
+    """Where kvcanary's compiled loops are cached: ``$KVCANARY_CACHE_DIR`` when set, else
+    :func:`default_directory`."""
+    env = os.environ if environ is None else environ
+    return os.path.abspath(os.path.expanduser(env.get(ENV_VAR) or default_directory(env)))
+
+
+def usable_directory() -> str | None:
+    """:func:`directory`, created and checked writable once per process; ``None`` (numba's default
+    then) with one warning where it cannot be."""
+    if not _usable:
+        path = directory()
+        try:
+            os.makedirs(path, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()
+            _usable.append(path)
+        except OSError as e:
+            log.warning("kvcanary: cannot write the compiled-loop cache %s (%s); numba's default cache is used "
+                        "(set %s to a writable directory)", path, e, ENV_VAR)
+            _usable.append(None)
+    return _usable[0]
+
+
+@contextlib.contextmanager
+def _numba_cache_dir(path: str | None) -> Iterator[None]:
+    """``numba.config.CACHE_DIR`` set to ``path`` inside the block, restored after it."""
+    if path is None:
+        yield
+        return
+    from numba.core import config
+
+    with _lock:
+        before = config.CACHE_DIR
+        config.CACHE_DIR = path
+        try:
+            yield
+        finally:
+            config.CACHE_DIR = before
+
+
+def njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``numba.njit(**options)`` (a decorator giving a numba dispatcher); with ``cache=True`` the
+    compiled code is cached in :func:`usable_directory`, and numba's setting for every other
+    library is left as it was."""
+    import numba
+
+    def deco(fn: Callable[..., Any]) -> Any:
+        with _numba_cache_dir(usable_directory() if options.get("cache") else None):
+            return numba.njit(**options)(fn)
+
+    return deco
+
+
+def sources_digest() -> str:
+    """A digest of what the compiled loops are made from: the fused package's sources, the
+    hashing constants they inline, numba's and Python's versions, and where the sources are
+    (numba keys its cache files by the sources' directory too)."""
+    here = Path(__file__).parent
+    h = hashlib.sha256(f"{numba_version()} {sys.version} {here.resolve()}".encode())
+    for p in sorted(here.glob("*.py")) + [here.parent / "hashing.py"]:
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def is_warm() -> bool:
+    """Whether the last complete warm-up in :func:`directory` compiled these very sources (a
+    forecast: numba itself decides, per loop, whether its cached code is current)."""
+    try:
+        return (Path(directory()) / MARKER).read_text().strip() == sources_digest()
+    except OSError:
+        return False
+
+
+def mark_warm() -> None:
+    """Record that every loop is compiled into :func:`directory` from the current sources."""
+    path = usable_directory()
+    if path is not None:
+        with contextlib.suppress(OSError):
+            (Path(path) / MARKER).write_text(sources_digest() + "\n")
