@@ -272,3 +272,36 @@ def test_an_adapters_failing_sink_still_raises_and_leaves_the_error_pending(tmp_
         adapter.report(found)
     assert adapter.pending is ei.value and adapter.violations == found
     assert [type(e) for e in ei.value.sink_errors] == [IsADirectoryError, RuntimeError]
+
+
+# ---- unknown KVCANARY_* names ---------------------------------------------------------------------
+
+def test_an_unknown_kvcanary_variable_is_warned_once_with_the_closest_name(caplog, monkeypatch):
+    from kvcanary import config
+
+    monkeypatch.setattr(config, "_warned", set())
+    env = {"KVCANARY_MOD": "raise", "KVCANARY_XYZZY_QUUX": "1", "KVCANARY_CACHE_DIR": "/tmp/x",
+           "KVCANARY_STAMP_STORE": "/tmp/s", "KVCANARY_TEST_FAULT": "flip_v", "KVCANARY_TEST_FAULT_AT": "3",
+           "OTHER": "1"}
+    with caplog.at_level(logging.WARNING, "kvcanary"):
+        assert CanaryConfig.from_env(environ=env).mode == "log"  # ignored, but said
+        CanaryConfig.from_env(environ=env)  # once per process and name
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "kvcanary: KVCANARY_MOD is not a kvcanary variable and is ignored; did you mean KVCANARY_MODE?",
+        "kvcanary: KVCANARY_XYZZY_QUUX is not a kvcanary variable and is ignored; expected one of "
+        + ", ".join([*config.ENV, *config.OTHER_ENV]),
+    ]
+
+
+def test_every_kvcanary_variable_the_code_reads_is_declared():
+    import re
+    from pathlib import Path
+
+    from kvcanary.config import ENV, OTHER_ENV
+
+    root = Path(__file__).parents[1]
+    files = [*root.glob("src/kvcanary/**/*.py"), *root.glob("tests_vllm/**/*.py"), *root.glob("bench/*.py")]
+    read = {m for f in files for m in re.findall(r"[\"'](KVCANARY_[A-Z0-9_]*[A-Z0-9])[\"']", f.read_text())}
+    assert {"KVCANARY_MODE", "KVCANARY_STAMP_STORE", "KVCANARY_TEST_FAULT_AT"} <= read  # the pattern finds them
+    assert read <= set(ENV) | set(OTHER_ENV), read - set(ENV) - set(OTHER_ENV)

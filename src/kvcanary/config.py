@@ -5,9 +5,11 @@ Every ``KVCANARY_*`` variable is declared once in :data:`ENV` with the field it 
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 from kvcanary.errors import ConfigError
 
@@ -107,18 +109,24 @@ class CanaryConfig:
         return self.content_budget_bytes
 
     @classmethod
-    def from_env(cls, base: "CanaryConfig | None" = None, environ: dict[str, str] | None = None) -> "CanaryConfig":
-        """``base`` (default: defaults) with every set ``KVCANARY_*`` variable applied."""
+    def from_env(cls, base: "CanaryConfig | None" = None, environ: Mapping[str, str] | None = None) -> "CanaryConfig":
+        """``base`` (default: defaults) with every set ``KVCANARY_*`` variable applied.
+
+        A bad value raises :class:`ConfigError` naming the variable, the value and what is
+        expected. A ``KVCANARY_*`` name kvcanary does not read (a typo such as ``KVCANARY_MOD``)
+        is logged once per process (logger ``kvcanary``) with the closest known name.
+        """
         env = os.environ if environ is None else environ
-        base = base or cls()
-        changes: dict[str, Any] = {}
+        config = base or cls()
         for var, (fname, parse) in ENV.items():
             if var in env:
                 try:
-                    changes[fname] = parse(env[var])
-                except ValueError as e:
-                    raise ConfigError(f"{var}: {e}") from None
-        return replace(base, **changes)
+                    change: dict[str, Any] = {fname: parse(env[var])}
+                    config = replace(config, **change)
+                except ValueError as e:  # a parser's, or the field check's (ConfigError)
+                    raise ConfigError(f"{var}: {str(e).removeprefix(fname + ': ')}") from None
+        _warn_unknown(env)
+        return config
 
 
 def _is_int(v: object) -> bool:
@@ -177,5 +185,27 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_METRICS": ("metrics", _bool),
     "KVCANARY_METRICS_PORT": ("metrics_port", _int),
 }
+
+# KVCANARY_* variables read elsewhere, which set no CanaryConfig field
+OTHER_ENV: dict[str, str] = {
+    "KVCANARY_CACHE_DIR": "where the fused CPU loops are compiled to (kvcanary.fused.cache)",
+    "KVCANARY_STAMP_STORE": "the vLLM connector's stamp directory, beside another connector's stored KV",
+    "KVCANARY_TEST_FAULT": "the vLLM tests' fault plugin: the fault to inject in every worker",
+    "KVCANARY_TEST_FAULT_AT": "the vLLM tests' fault plugin: the forward it is injected at",
+}
+_warned: set[str] = set()
+
+
+def _warn_unknown(env: Mapping[str, str]) -> None:
+    """Log, once per process and name, each ``KVCANARY_*`` variable kvcanary does not read."""
+    known = [*ENV, *OTHER_ENV]
+    for var in env:
+        if not var.startswith("KVCANARY_") or var in ENV or var in OTHER_ENV or var in _warned:
+            continue
+        _warned.add(var)
+        near = difflib.get_close_matches(var, known, n=1)
+        hint = f"did you mean {near[0]}?" if near else f"expected one of {', '.join(known)}"
+        logging.getLogger("kvcanary").warning("kvcanary: %s is not a kvcanary variable and is ignored; %s", var, hint)
+
 
 assert {f for f, _ in ENV.values()} <= {f.name for f in fields(CanaryConfig)}
