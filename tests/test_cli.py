@@ -23,7 +23,8 @@ def _imported(argv: list[str]) -> tuple[int, set[str], str]:
 
 
 @pytest.mark.parametrize("argv, status", [
-    (["--help"], 0), (["demo", "--help"], 0), (["selftest", "--help"], 0),
+    (["--help"], 0), (["demo", "--help"], 0), (["selftest", "--help"], 0), (["warmup", "--help"], 0),
+    (["report", "--help"], 0),
     (["demo", "--bogus"], 2), (["demo", "--engine", "nope"], 2), (["selftest", "--soak", "-1"], 2), ([], 2),
 ])
 def test_help_and_usage_errors_import_nothing_heavy(argv, status):
@@ -90,3 +91,32 @@ def test_public_names_load_on_first_access():
     assert set(kvcanary.__all__) <= set(dir(kvcanary))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kvcanary.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("KVCANARY_MODE", "bogus", "KVCANARY_MODE: expected one of ('off', 'log', 'raise', 'quarantine'), got 'bogus'"),
+    ("KVCANARY_RING_CAPACITY", "x", "KVCANARY_RING_CAPACITY: expected an integer, got 'x'"),
+    ("KVCANARY_RING_CAPACITY", "0", "KVCANARY_RING_CAPACITY: expected >= 1, got 0"),
+    ("KVCANARY_VALIDATE", "maybe", "KVCANARY_VALIDATE: expected one of 1/0/true/false/yes/no/on/off, got 'maybe'"),
+])
+@pytest.mark.parametrize("argv", [["demo"], ["demo", "--engine", "scripted"], ["selftest", "--soak", "0"]])
+def test_a_bad_kvcanary_value_is_a_usage_error(argv, var, value, message, monkeypatch, capsys):
+    monkeypatch.setenv(var, value)
+    assert main(argv) == 2  # said up front: nothing is built or run
+    said = capsys.readouterr()
+    assert said.err.strip() == f"kvcanary {argv[0]}: {message}" and said.out == ""
+
+
+def test_a_scripted_pool_too_small_for_the_workload_is_a_usage_error(capsys):
+    assert main(["demo", "--engine", "scripted", "--blocks", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvcanary demo: --blocks: expected at least 6 (the workload's longest request holds up to 46 tokens, "
+        "6 blocks of 8 slots), got 1")
+    assert main(["demo", "--engine", "scripted", "--blocks", "6", "--requests", "6", "--json"]) == 0  # the smallest runs
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["finished"] > 0
+
+
+def test_the_demo_times_the_one_time_setup_apart(capsys):
+    assert main(["demo", "--engine", "scripted", "--requests", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert out["setup_s"] >= 0 and out["wall_s"] >= 0

@@ -26,6 +26,12 @@ class Workload:
     arrivals_per_step: int = 2
     seed: int = 0
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request can hold (prompt and generated): an engine's pool must hold
+        this many slots for the longest request to run."""
+        return self.prefix_len[1] + self.tail_len[1] + self.max_new[1]
+
 
 def run(engine: ScriptedEngine, wl: Workload, max_steps: int = 100_000, on_step=None) -> int:  # type: ignore[no-untyped-def]
     """Feed ``wl`` to ``engine`` until every request finished or was aborted; returns steps run.

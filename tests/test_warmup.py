@@ -1,0 +1,76 @@
+"""``kvcanary warmup``: the fused CPU loops compiled once into kvcanary's own cache directory, loaded
+by later processes without compiling (the demo's engine included), numba's global setting untouched."""
+
+import json
+import os
+import subprocess
+import sys
+
+from kvcanary.fused import cache
+
+
+def _run(code_or_argv, env, timeout=300):
+    argv = ["-m", "kvcanary", *code_or_argv] if isinstance(code_or_argv, list) else ["-c", code_or_argv]
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done
+
+
+# a fresh process: load every loop, then run the transformers demo; what got compiled where, and how long
+# loading took (torch imported first: its import is not the loops')
+_LOAD = """
+import json, time
+import numba, torch
+t0 = time.perf_counter()
+from kvcanary import fused
+assert fused.available() is None
+took = time.perf_counter() - t0
+loaded, compiled = fused.loaded(), fused.compiled()
+from kvcanary.cli import main
+assert main(["demo", "--requests", "4", "--max-new-tokens", "4", "--json"]) == 0
+paths = sorted({d.stats.cache_path for d in fused.loops().values()})
+print(json.dumps({"took": took, "loaded": loaded, "compiled": compiled, "after_demo": fused.compiled(),
+                  "loops": len(fused.loops()), "paths": paths, "numba_cache_dir": numba.config.CACHE_DIR}))
+"""
+
+
+def test_warmup_compiles_into_the_cache_dir_and_a_later_process_only_loads(tmp_path):
+    where = str(tmp_path / "loops")
+    env = {"KVCANARY_CACHE_DIR": where}
+    first = _run(["warmup"], env).stdout.splitlines()
+    assert first[0] == f"compiling the fused CPU loops (once per machine, ~20-60 s) into {where} ..."
+    assert first[1].startswith(f"cached in {where} (") and "compiled" in first[1]
+    assert any(f.endswith(".nbi") for _, _, files in os.walk(where) for f in files)
+    again = _run(["warmup"], env).stdout.splitlines()
+    assert len(again) == 1 and again[0].startswith(f"already cached in {where}: ")
+    got = json.loads(_run(_LOAD, env).stdout.splitlines()[-1])
+    assert got["compiled"] == 0 and got["loaded"] == got["loops"] > 0  # every loop from the cache
+    assert got["after_demo"] == 0, "the demo's engine compiled a signature the warm-up did not"
+    assert all(p.startswith(where + os.sep) for p in got["paths"])
+    assert got["numba_cache_dir"] == os.environ.get("NUMBA_CACHE_DIR", "")  # numba's own setting as it was
+    assert got["took"] < 5, got  # a generous bound: loading takes about a second (warmup prints it)
+
+
+def test_an_unwritable_cache_dir_falls_back_with_one_warning(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code = """
+import logging
+logging.basicConfig(level=logging.WARNING)
+from kvcanary.fused import cache
+assert cache.usable_directory() is None and cache.usable_directory() is None
+from kvcanary.fused import ops  # decorated with numba's default cache; nothing compiles here
+print(ops._verify.stats.cache_path)
+"""
+    done = _run(code, {"KVCANARY_CACHE_DIR": str(blocker / "loops")})
+    assert done.stderr.count("cannot write the compiled-loop cache") == 1
+    assert not done.stdout.strip().startswith(str(blocker))
+
+
+def test_the_cache_dir_is_per_numba_and_python_version_and_overridable():
+    py = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+    want = os.path.join("/x", "kvcanary", f"numba-{cache.numba_version()}-{py}")
+    assert cache.directory({"XDG_CACHE_HOME": "/x"}) == want
+    assert cache.directory({"XDG_CACHE_HOME": "/x", "KVCANARY_CACHE_DIR": "/y/z"}) == "/y/z"
+    assert cache.directory({}).startswith(os.path.join(os.path.expanduser("~"), ".cache", "kvcanary", "numba-"))
