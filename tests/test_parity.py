@@ -7,6 +7,7 @@ corruption that trips every check. Triton runs under ``TRITON_INTERPRET=1`` with
 fewer cases (:mod:`test_kernels` covers its launch shapes).
 """
 
+import dataclasses
 import os
 import random
 
@@ -257,7 +258,8 @@ def test_without_numba_the_cpu_backend_is_torch_and_asking_for_fused_is_refused(
 
 def test_fused_written_from_equals_the_torch_construction():
     """Where each row's reads of this step's own writes start (vLLM hands out a prefix-cache hit
-    before its KV exists), on random steps where some new tokens write slots other rows read."""
+    before its KV exists), on random steps where some new tokens write slots other rows read, half
+    of them with read windows (a write below a row's window is not a read of it)."""
     from kvcanary.engines.base import written_from
 
     rng = random.Random(5)
@@ -273,6 +275,10 @@ def test_fused_written_from_equals_the_torch_construction():
                     step.new_slots[rng.randrange(step.num_new)] = step.lookup(torch.tensor([r]),
                                                                              torch.tensor([rng.randrange(c)]))[0]
         step = _mangle(step, rng)
+        if i % 2:  # a read window (sliding attention): reads and written_from start there
+            cached = step.cached_lens.long()
+            lo = (cached - torch.randint(1, 9, cached.shape, device=cached.device)).clamp(min=0)
+            step = dataclasses.replace(step, read_starts=torch.minimum(lo, cached))
         want, got = written_from(step, fused=False), written_from(step, fused=True)
         assert torch.equal(want, got), (i, want.tolist(), got.tolist())
         hits += int((want < step.cached_lens.long()).sum())

@@ -231,7 +231,7 @@ def _final_metrics(adapter: "Adapter | None") -> None:
 
 def step_from_block_table(block_table: torch.Tensor, block_size: int, query_start: torch.Tensor,
                           seq_lens: torch.Tensor, slot_mapping: torch.Tensor, tokens: torch.Tensor,
-                          valid: torch.Tensor) -> Step:
+                          valid: torch.Tensor, read_starts: torch.Tensor | None = None) -> Step:
     """A step from paged-attention metadata: ``R`` rows, ``T`` new tokens.
 
     Parameters
@@ -243,6 +243,8 @@ def step_from_block_table(block_table: torch.Tensor, block_size: int, query_star
     tokens : int ``[R, width]`` each row's known token stream, -1 where unknown (the new tokens'
         ids are read from it)
     valid : bool ``[R]`` rows the adapter matched to a request (others are padding)
+    read_starts : int ``[R]`` the first position each row's attention reads (a sliding window;
+        ``None``: position 0)
 
     Reads of slots the step itself writes start ``written_from`` (verified after the writes).
     """
@@ -257,13 +259,15 @@ def step_from_block_table(block_table: torch.Tensor, block_size: int, query_star
         cached_lens=cached, new_offsets=qsl, new_tokens=tokens[row, pos.clamp(max=tokens.shape[1] - 1)],
         new_positions=pos, new_slots=torch.where(valid[row], slot_mapping.long(), -1),
         block_table=block_table[:r], block_size=block_size, row_valid=valid, expected_tokens=tokens,
+        read_starts=read_starts,
     )
     step.written_from = written_from(step)
     return step
 
 
 def written_from(step: Step, fused: bool | None = None) -> torch.Tensor:
-    """Per row, the first cached position whose slot this step writes (``cached_len`` if none).
+    """Per row, the first position it reads (``read_starts`` on) whose slot this step writes
+    (``cached_len`` if none).
     On a CPU step with the fused path available (``fused=None``: whenever it is), one compiled pass
     over the table entries; otherwise a ``[rows, max cached]`` lookup and ``isin``."""
     if fused is None:
@@ -279,6 +283,7 @@ def written_from(step: Step, fused: bool | None = None) -> torch.Tensor:
     pos = torch.arange(width, device=cached.device)
     rows = torch.arange(step.num_rows, device=cached.device)
     read = step.lookup(rows.repeat_interleave(width), pos.repeat(step.num_rows)).view(step.num_rows, width)
-    hit = torch.isin(read, step.new_slots[step.new_slots >= 0]) & (pos[None, :] < cached[:, None])
+    inside = (pos[None, :] < cached[:, None]) & (pos[None, :] >= step.starts()[:, None])
+    hit = torch.isin(read, step.new_slots[step.new_slots >= 0]) & inside
     first = torch.where(hit, pos[None, :], width).min(dim=1).values
     return torch.minimum(first, cached)

@@ -9,13 +9,19 @@ from the ``KVCANARY_*`` variables (default mode ``log``); ``KVCANARY_VIOLATIONS_
 worker's events in one JSONL file. With another connector, list both under vLLM's
 ``MultiConnector``; the canary verifies what the other one lands.
 
-Scheduler side (engine core): ships, per step, each scheduled request's new token ids, its
-computed-token count and the slot of its first new token, and the blocks vLLM zeroes. Worker side
-(one canary per worker and tensor-parallel rank): at ``bind_connector_metadata``, inside the forward
-context, it builds the step from the CPU attention metadata (block table, sequence lengths, query
-start offsets, slot mapping) and verifies every cached slot each request reads; reads of slots that
-another request of the batch computes in this same forward (a prefix-cache hit handed out before its
-KV exists) are left to ``wait_for_save``, which stamps the written slots and then verifies those.
+The connector declares vLLM's ``SupportsHMA``, so turning it on leaves the hybrid KV cache manager,
+the KV cache groups and the pool as vLLM builds them; each worker runs one canary per KV cache group
+(:mod:`kvcanary.engines.vllm_groups`).
+
+Scheduler side (engine core): ships, per step, each scheduled request's new committed token ids,
+the draft tokens its forward writes (speculative decoding), its computed-token count, where rejected
+drafts were rolled back, and the slot of its first new token; and the blocks vLLM zeroes. Worker
+side (each worker and tensor-parallel rank): at ``bind_connector_metadata``, inside the forward
+context, it builds each group's step from that group's attention metadata
+(:mod:`kvcanary.engines.vllm_steps`) and verifies every cached slot each request reads; reads of
+slots that another request of the batch computes in this same forward (a prefix-cache hit handed out
+before its KV exists) are left to ``wait_for_save``, which stamps the written slots and then
+verifies those.
 """
 
 from __future__ import annotations
@@ -31,33 +37,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvcanary import layouts
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
-from kvcanary.engines.base import Adapter, step_from_block_table
-from kvcanary.engines.token_book import TokenBook
+from kvcanary.engines.base import Adapter
+from kvcanary.engines.vllm_groups import GroupPlan, plan_groups, single_group
+from kvcanary.engines.vllm_steps import ReqStep, Rows, block_slots, build_step, match_rows, positions_slots, rolled_back
 from kvcanary.errors import UnsupportedError
 from kvcanary.step import Step
 from kvcanary.violations import Site, Violation
 
 log = logging.getLogger("kvcanary")
 NAME = "KvCanaryConnector"
-
-
-@dataclass
-class ReqStep:
-    """One scheduled request in one step, as the scheduler sees it."""
-
-    req_id: str
-    computed: int  # tokens already in the cache (read this step)
-    scheduled: int  # tokens written this step
-    first_slot: int  # the slot of its first new token (matches the worker's row)
-    start: int  # position of the first token in ``tokens``
-    tokens: list[int]  # token ids from ``start`` on that the worker has not been sent yet
-    landed_from: int = -1  # another connector lands positions [landed_from, computed) this step
-    prompt_len: int = 0
+__all__ = ["KvCanaryConnector", "CanaryMeta", "ReqStep", "NAME"]
 
 
 @dataclass
@@ -67,9 +62,22 @@ class CanaryMeta(KVConnectorMetadata):
     reqs: list[ReqStep] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     zeroed: list[int] = field(default_factory=list)  # blocks vLLM zeroes before this forward
+    # block copies (source, destination) vLLM makes before this forward (a partial prefix-cache hit
+    # copied to a private block)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
-class KvCanaryConnector(KVConnectorBase_V1, Adapter):
+@dataclass
+class _Group:
+    """One KV cache group on a worker: its plan, its canary and this forward's step."""
+
+    plan: GroupPlan
+    name: str
+    canary: Canary
+    step: Step | None = None
+
+
+class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA, Adapter):
     """vLLM V1 KV connector that runs kvcanary on every worker. Loads and saves no KV itself."""
 
     engine = "vllm"
@@ -77,7 +85,12 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
         Adapter.__init__(self, CanaryConfig.from_env(CanaryConfig(mode="log")))
-        self.block_size = int(vllm_config.cache_config.block_size)
+        bs = int(vllm_config.cache_config.block_size)
+        self.plans: list[GroupPlan] | None = plan_groups(kv_cache_config, vllm_config) if kv_cache_config else None
+        covered = [p for p in self.plans or [] if p.covered]
+        # the group whose first-new-token slots match the worker's rows to the scheduler's requests
+        self.primary = covered[0].index if covered else 0
+        self.block_size = covered[0].block_size if covered else bs
         extra = dict(getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {})
         self.stamp_store: str | None = extra.get("stamp_store") or os.environ.get("KVCANARY_STAMP_STORE")
         self._local: dict[str, int] = {}  # request id -> tokens the local prefix cache had
@@ -85,12 +98,12 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         # scheduler side
         self._reqs: dict[str, Any] = {}  # request id -> vLLM Request
         self._sent: dict[str, int] = {}  # request id -> tokens already sent to the workers
+        self._end: dict[str, int] = {}  # request id -> computed + scheduled tokens as of its last step
         self._finished: list[str] = []
         # worker side
-        self.canary: Canary | None = None
+        self.groups: list[_Group] = []
         self.forwards = 0
-        self._step: Step | None = None
-        self._rows: list[str] = []
+        self._rows: Rows | None = None
         self._history: dict[int, list[str]] = {}  # forward -> its rows' request ids (the diagnosis' writers)
         self._seen: set[str] = set()  # requests whose first read of cached KV was verified
         self._meta = CanaryMeta()
@@ -108,54 +121,77 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         so = scheduler_output
-        meta = CanaryMeta(finished=self._finished, zeroed=list(so.new_block_ids_to_zero or []))
+        meta = CanaryMeta(finished=self._finished, zeroed=list(so.new_block_ids_to_zero or []),
+                          copies=[(int(c[0]), int(c[1])) for c in getattr(so, "kv_cache_block_copies", None) or ()])
         self._finished = []
         for r in so.scheduled_new_reqs:
-            self._add(meta, r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id], r.block_ids[0])
+            self._add(meta, so, r.req_id, r.num_computed_tokens, r.block_ids, resumed=True)
         cached = so.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, rid in enumerate(cached.req_ids):
-            blocks = self._kv_cache_manager.get_block_ids(rid)[0] if self._kv_cache_manager is not None else []
-            self._add(meta, rid, cached.num_computed_tokens[i], so.num_scheduled_tokens[rid], blocks)
+            blocks = self._kv_cache_manager.get_block_ids(rid) if self._kv_cache_manager is not None else ()
+            self._add(meta, so, rid, cached.num_computed_tokens[i], blocks, resumed=rid in resumed)
         return meta
 
-    def _add(self, meta: CanaryMeta, rid: str, computed: int, scheduled: int, blocks: list[int]) -> None:
+    def _add(self, meta: CanaryMeta, so: Any, rid: str, computed: int, block_ids: Any, resumed: bool) -> None:
         req = self._reqs.get(rid)
-        if req is None or not blocks:
+        blocks = block_ids[self.primary] if len(block_ids) > self.primary else []
+        bs = self.block_size
+        if req is None or computed // bs >= len(blocks):
             return
+        scheduled = int(so.num_scheduled_tokens[rid])
+        drafts = [int(t) for t in (so.scheduled_spec_decode_tokens or {}).get(rid, ())]
         have = self._sent.get(rid, 0)
         known = req.all_token_ids
         upto = min(len(known), computed + scheduled)  # a token not yet sampled is not sent, never guessed
         tokens = list(known[have:upto]) if upto > have else []
         self._sent[rid] = max(have, upto)
-        first = blocks[computed // self.block_size] * self.block_size + computed % self.block_size
+        # a running request whose computed count went back (rejected drafts) rewrites those positions
+        end = self._end.get(rid, 0)
+        rollback = end if not resumed and computed < end else 0
+        self._end[rid] = computed + scheduled
+        first = blocks[computed // bs] * bs + computed % bs
         local = self._local.pop(rid, computed)  # below computed: another connector lands the rest
-        meta.reqs.append(ReqStep(rid, computed, scheduled, first, have, tokens,
+        meta.reqs.append(ReqStep(rid, computed, scheduled, first, have, tokens, drafts, rollback,
                                  landed_from=local if local < computed else -1,
                                  prompt_len=len(req.prompt_token_ids or [])))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._reqs.pop(rid, None)
-        self._sent.pop(rid, None)
-        self._local.pop(rid, None)
+        for d in (self._reqs, self._sent, self._local, self._end):
+            d.pop(rid, None)
         self._finished.append(rid)
         return False, None
 
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # ---- worker side --------------------------------------------------------------------------
 
-    def canaries(self) -> list[Canary]:
-        return [self.canary] if self.canary is not None else []
+    @property
+    def canary(self) -> Canary | None:
+        """The primary KV cache group's canary (the only one of a model with one group)."""
+        g = self._group(self.primary)
+        return g.canary if g is not None else None
 
-    def _first_reader(self, v: Violation) -> Violation:
-        rid = self.first_reader("kv", v)
-        return dataclasses.replace(v, request=rid) if rid else v
+    def _group(self, index: int) -> _Group | None:
+        return next((g for g in self.groups if g.plan.index == index), None)
+
+    def canaries(self) -> list[Canary]:
+        return [g.canary for g in self.groups]
+
+    def named_canaries(self) -> dict[str, Canary]:
+        return {g.name: g.canary for g in self.groups}
+
+    def fault_layers(self) -> list[str]:
+        """The primary group's fingerprinted layers (where the fault injectors corrupt bytes)."""
+        g = self._group(self.primary)
+        return list(g.plan.layers) if g is not None else []
 
     def request_at(self, step: int, row: int) -> str | None:
         rids = self._history.get(step, [])
         return rids[row] or None if 0 <= row < len(rids) else None
-
-    def named_canaries(self) -> dict[str, Canary]:
-        return {"kv": self.canary} if self.canary is not None else {}
 
     def metric_labels(self) -> dict[str, str]:
         return {"engine": self.engine, "tp_rank": str(self.rank), "pp_rank": str(_pp_rank()),
@@ -165,93 +201,174 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
         self.shielded("register_kv_caches", self._register, kv_caches)
 
     def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        tensors = list(kv_caches.values())
-        t = tensors[0]
-        if t.dim() != 4 or t.device.type != "cpu":
-            raise UnsupportedError(f"vLLM KV cache: expected the CPU backend's [num_blocks, kv_heads, block_size, "
-                                   f"2 * head_dim] tensors, got shape {tuple(t.shape)} on {t.device}")
-        num_blocks, heads, bs, two_d = t.shape
         self.kv_caches = kv_caches
+        plans = self.plans or single_group(self.block_size, list(kv_caches))
+        covered = [p for p in plans if p.covered]
+        for p in plans:
+            if not p.covered:
+                log.warning("kvcanary: KV cache %s is not covered: %s", p.describe(), p.why_not)
+        for p in covered:
+            name = "kv" if len(covered) == 1 else f"g{p.index}"
+            self.groups.append(_Group(p, name, self._canary_for(p, kv_caches)))
+
+    def _canary_for(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor]) -> Canary:
+        """A group's canary: its layers' bytes described by the CPU kernels' layout, the null block
+        (block 0, which tables pad with and nothing may write) reserved."""
+        tensors = [kv_caches[n] for n in plan.layers if n in kv_caches]
+        bs = plan.block_size
+        if not tensors:  # a group of draft layers only: positions are checked, no bytes
+            some = next(iter(kv_caches.values()))
+            return Canary(int(some.shape[0]) * bs, None, self.config)
+        t = tensors[0]
+        if t.dim() != 4 or t.device.type != "cpu" or t.shape[2] != bs:
+            raise UnsupportedError(f"vLLM KV cache of {plan.describe()}: expected the CPU backend's [num_blocks, "
+                                   f"kv_heads, {bs}, 2 * head_dim] tensors, got shape {tuple(t.shape)} on {t.device}")
+        num_blocks, heads, _, two_d = t.shape
         isa = _cpu_isa(t.dtype, bs, two_d // 2)
         build = {"vec": layouts.vllm_cpu_vec, "vec16": layouts.vllm_cpu_vec, "amx": layouts.vllm_cpu_amx}.get(isa)
         if build is None:
             raise UnsupportedError(f"vLLM CPU attention kernels {isa!r}: kvcanary describes the KV layouts of "
                                    f"'vec', 'vec16' and 'amx', not this one; the canary is off on this worker")
-        # block 0 is vLLM's null block: tables pad with it, nothing may write it
         layout = dataclasses.replace(build(tensors, bs, heads, two_d // 2), reserved=tuple(range(bs)))
-        self.canary = Canary(num_blocks * bs, layout, self.config)
+        return Canary(num_blocks * bs, layout, self.config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._step = None
-        if self.canary is not None and isinstance(connector_metadata, CanaryMeta):
+        for g in self.groups:
+            g.step = None
+        if self.groups and isinstance(connector_metadata, CanaryMeta):
             self.shielded("the before-forward check", self._before, connector_metadata)
+
+    def metadata(self, by_layer: Any, index: int) -> Any:
+        """KV cache group ``index``'s attention metadata in this forward (``None``: none), from the
+        forward context's per-layer metadata. A layer whose metadata was rebuilt into per-chunk
+        virtual rows (chunked local attention sharing a group with other layers) is passed over."""
+        if not isinstance(by_layer, dict):
+            return by_layer
+        plans = self.plans or []
+        names = (plans[index].layers + plans[index].draft_layers) if index < len(plans) else tuple(by_layer)
+        for n in names:
+            md = by_layer.get(n)
+            if md is not None and not hasattr(md, "make_virtual_batches_block_table"):
+                return md
+        return None
 
     def _before(self, meta: CanaryMeta) -> None:
         from vllm.forward_context import get_forward_context
 
-        assert self.canary is not None
         for rid in meta.finished:
             self.book.forget(rid)
             self._seen.discard(rid)
         for r in meta.reqs:
             if r.tokens:
                 self.book.extend(r.req_id, r.start, r.tokens)
+        by_layer = get_forward_context().attn_metadata
         if meta.zeroed:  # zeroed bytes: their stamps go too (a read before a write is EMPTY)
-            self.canary.release(_block_slots(meta.zeroed, self.block_size))
-        md = get_forward_context().attn_metadata
-        if not md:
-            return
-        md = next(iter(md.values())) if isinstance(md, dict) else md
-        step, rows = build_step(md, meta.reqs, self.book, self.block_size)
-        self._step, self._rows, self._meta = step, rows, meta
-        self._history[self.forwards] = rows
+            for g in self.groups:
+                g.canary.release(block_slots(meta.zeroed, g.plan.block_size))
+        if meta.copies:  # copied blocks carry their source's stamps; their landed bytes are verified
+            src, dst = [c[0] for c in meta.copies], [c[1] for c in meta.copies]
+            for g in self.groups:
+                bs = g.plan.block_size
+                g.canary.import_stamps(block_slots(dst, bs), g.canary.export_stamps(block_slots(src, bs)))
+        mds = {g.plan.index: self.metadata(by_layer, g.plan.index) for g in self.groups} if by_layer else {}
+        if mds.get(self.primary) is None:
+            return  # a dummy forward (profiling, warm-up): nothing to check
+        rows = match_rows(mds[self.primary], meta.reqs, self.book)
+        self._rows, self._meta = rows, meta
+        self._history[self.forwards] = rows.rids
         self._history.pop(self.forwards - self.config.history, None)
-        self._verify_first_reads(step, rows)
-        self.canary.before_forward(step)
+        live = [g for g in self.groups if mds.get(g.plan.index) is not None]
+        for g in live:
+            g.step = build_step(mds[g.plan.index], rows, g.plan.block_size, g.plan.window)
+        if len(live) > 1:
+            self._release_other_groups(live)
+        for g in live:
+            assert g.step is not None
+            gone = rolled_back(g.step, rows, g.plan.block_size)
+            if gone.numel():
+                g.canary.release(gone)
+        self._verify_first_reads(live, rows)
+        for g in live:
+            assert g.step is not None
+            g.canary.before_forward(g.step)
 
-    def _verify_first_reads(self, step: Step, rows: list[str]) -> None:
+    def _release_other_groups(self, live: list[_Group]) -> None:
+        """Block ids are shared by every KV cache group and the groups' layers overlay one memory: a
+        block another group writes now belongs to that group, so its stamps in this group go."""
+        written = {}
+        for g in live:
+            assert g.step is not None
+            s = g.step.new_slots.long()
+            written[g.plan.index] = torch.unique(torch.div(s[s >= 0], g.plan.block_size, rounding_mode="floor"))
+        for g in live:
+            blocks = torch.cat([b for i, b in written.items() if i != g.plan.index])
+            blocks = blocks[(blocks > 0) & (blocks * g.plan.block_size < g.canary.num_slots)]
+            if blocks.numel():
+                g.canary.release(block_slots(blocks.tolist(), g.plan.block_size))
+
+    def _verify_first_reads(self, live: list[_Group], rows: Rows) -> None:
         """A request's first step with KV already cached (a local prefix-cache hit) reads blocks it
-        did not write: every byte of them is verified before this forward (up to the positions this
-        same step writes or another connector lands, which are checked as they are written or land)."""
-        assert self.canary is not None
+        did not write: every byte of them is verified before this forward, in every group over the
+        positions its kernel reads (up to the positions this same step writes or another connector
+        lands, which are checked as they are written or land)."""
         self.forget_first_reads()
-        for i, rid in enumerate(rows):
+        for i, rid in enumerate(rows.rids):
             if not rid or rid in self._seen:
                 continue
             self._seen.add(rid)
-            end = int((step.written_from if step.written_from is not None else step.cached_lens)[i])
-            if end <= 0:
-                continue
-            self.verify_first_read("kv", step, i, 0, end, rid)
+            for g in live:
+                step = g.step
+                assert step is not None and step.written_from is not None
+                start, end = int(step.starts()[i]), int(step.written_from[i])
+                if end > start:
+                    self.verify_first_read(g.name, step, i, start, end, rid)
 
     def wait_for_save(self) -> None:
-        if self._step is not None:
+        if any(g.step is not None for g in self.groups):
             self.shielded("the after-forward check", self._after)
 
     def _after(self) -> None:
-        assert self.canary is not None and self._step is not None
-        self.canary.after_forward(self._step)
-        self.canary.patrol()  # this forward's share of the patrol over cold cache
+        assert self._rows is not None
+        rows = self._rows
+        found: list[Violation] = []
+        for g in self.groups:
+            if g.step is None:
+                continue
+            g.canary.after_forward(g.step)
+            if rows.unknown_new:  # a draft the scheduler had not filled in: its slot's stamp is unknown
+                s = g.step.new_slots.long()
+                g.canary.forget(s[(s >= 0) & (g.step.new_tokens < 0)])
+            g.canary.patrol()  # this forward's share of the patrol over cold cache
+            group = g.name if len(self.groups) > 1 else None
+            found += [dataclasses.replace(self._first_reader(g.name, v) if v.site == Site.FIRST_READ
+                                          else _named(v, rows.rids), group=group) for v in g.canary.drain()]
         self.forwards += 1
-        self.report([self._first_reader(v) if v.site == Site.FIRST_READ else _named(v, self._rows)
-                     for v in self.canary.drain()], rank=self.rank)
+        self.report(found, rank=self.rank)
         self.publish_metrics()
         if self.stamp_store:
             self._store()
 
+    def _first_reader(self, name: str, v: Violation) -> Violation:
+        rid = self.first_reader(name, v)
+        return dataclasses.replace(v, request=rid) if rid else v
+
     def _store(self) -> None:
-        """Save the stamps of each new prompt's whole blocks beside the KV another connector stores."""
+        """Save the stamps of each new prompt's whole blocks (primary group) beside the KV another
+        connector stores."""
         from kvcanary import stamp_store
 
-        assert self.canary is not None and self._step is not None and self.stamp_store
+        g = self._group(self.primary)
+        if g is None or g.step is None or self._rows is None or not self.stamp_store:
+            return
         bs = self.block_size
-        for r in self._meta.reqs:
-            n = (r.prompt_len - 1) // bs * bs  # what a prefix store keeps of it
-            if r.computed or r.landed_from >= 0 or n <= 0 or r.scheduled < n or r.req_id not in self._rows:
+        for i, r in enumerate(self._rows.reqs):
+            if r is None:
                 continue
-            row = self._rows.index(r.req_id)
-            stamps = self.canary.export_stamps(self._step.lookup(torch.full((n,), row), torch.arange(n)))
+            n = (r.prompt_len - 1) // bs * bs  # what a prefix store keeps of it
+            if r.computed or r.landed_from >= 0 or n <= 0 or r.scheduled < n:
+                continue
+            stamps = g.canary.export_stamps(positions_slots(g.step, i, 0, n, 0))
             if stamps is not None:
                 stamp_store.save(self.stamp_store, self.book.window([r.req_id], [n], n)[0].tolist(), stamps,
                                  {n, (r.prompt_len - 2) // bs * bs})
@@ -259,24 +376,30 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """After the other connectors of a MultiConnector landed their KV: install the stamps that
         travelled with it and verify every landed byte (a torn or wrong load is reported here)."""
-        if self._step is not None and any(r.landed_from >= 0 for r in self._meta.reqs):
+        if self._rows is not None and any(r.landed_from >= 0 for r in self._meta.reqs):
             self.shielded("the landing check", self._landed)
 
     def _landed(self) -> None:
+        """The primary group installs the stamps that travelled with landed KV and verifies its
+        bytes; the other groups had no stamps stored, so their landed slots become unknown."""
         from kvcanary import stamp_store
 
-        assert self.canary is not None and self._step is not None
-        step = self._step
-        for r in self._meta.reqs:
-            if r.landed_from < 0 or r.req_id not in self._rows:
+        assert self._rows is not None
+        for i, r in enumerate(self._rows.reqs):
+            if r is None or r.landed_from < 0:
                 continue
-            row = self._rows.index(r.req_id)
-            pos = torch.arange(r.landed_from, r.computed)
-            slots = step.lookup(torch.full_like(pos, row), pos)
             tokens = self.book.window([r.req_id], [r.computed], r.computed)[0].tolist()
             stamps = stamp_store.load(self.stamp_store, tokens) if self.stamp_store else None
-            self.canary.import_stamps(slots, None if stamps is None else stamps[r.landed_from : r.computed])
-            self.report([dataclasses.replace(v, request=r.req_id) for v in self.canary.drain()], rank=self.rank)
+            for g in self.groups:
+                if g.step is None:
+                    continue
+                lo = max(r.landed_from, int(g.step.starts()[i]))
+                slots = positions_slots(g.step, i, lo, r.computed, g.plan.block_size)
+                if g.plan.index == self.primary and stamps is not None and lo == r.landed_from:
+                    g.canary.import_stamps(slots, stamps[r.landed_from : r.computed])
+                else:
+                    g.canary.import_stamps(slots, None)
+                self.report([dataclasses.replace(v, request=r.req_id) for v in g.canary.drain()], rank=self.rank)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -287,10 +410,15 @@ class KvCanaryConnector(KVConnectorBase_V1, Adapter):
     def stats(self) -> dict[str, int]:
         out = Adapter.stats(self)
         out["forwards"] = self.forwards
+        plans = self.plans or []
+        out["kv_cache_groups"] = len(plans) or len(self.groups)
+        out["kv_cache_groups_covered"] = len(self.groups)
         return out
 
     def recover(self) -> None:
-        self._step = None
+        for g in self.groups:
+            g.step = None
+        self._rows = None
         Adapter.recover(self)
 
 
@@ -299,39 +427,6 @@ def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return str(_get_attn_isa(dtype, block_size, head_dim))
-
-
-def build_step(md: Any, reqs: list[ReqStep], book: TokenBook, block_size: int) -> tuple[Step, list[str]]:
-    """The step of one forward from vLLM's CPU attention metadata and the scheduler's requests.
-
-    Rows follow the metadata (the runner's batch order); each is matched to its request by the
-    slot of its first new token, and a row whose request says otherwise is padding. Reads of
-    slots the step itself writes, and of KV another connector lands this step, start
-    ``written_from``.
-    """
-    qsl = md.query_start_loc.long()
-    r = qsl.shape[0] - 1
-    n = int(md.num_actual_tokens)
-    slots = md.slot_mapping[:n].long()
-    cached = (md.seq_lens[:r].long() - (qsl[1:] - qsl[:-1])).tolist()
-    by_slot = {x.first_slot: x for x in reqs}
-    rows = [by_slot.get(s) for s in slots[qsl[:-1].clamp(max=max(n - 1, 0))].tolist()]
-    ok = [x is not None and x.computed == c for x, c in zip(rows, cached)]
-    rids = [x.req_id if x is not None else "" for x in rows]
-    upto = [int(u) for u in md.seq_lens[:r].tolist()]
-    tokens = book.window([rid or "__none__" for rid in rids], [u if k else 0 for u, k in zip(upto, ok)],
-                         max(upto + [1]))
-    step = step_from_block_table(md.block_table, block_size, qsl, md.seq_lens, slots, tokens, torch.tensor(ok))
-    landed = torch.tensor([x.landed_from if x is not None and x.landed_from >= 0 else c for x, c in zip(rows, cached)],
-                          dtype=torch.int64)
-    assert step.written_from is not None
-    step.written_from = torch.minimum(step.written_from, landed)  # landed KV is read once it has landed
-    return step, rids
-
-
-def _block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
-    b = torch.tensor(blocks, dtype=torch.int64)
-    return (b[:, None] * block_size + torch.arange(block_size)).reshape(-1)
 
 
 def _named(v: Violation, rids: list[str]) -> Violation:

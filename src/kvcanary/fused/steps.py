@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvcanary.fused._core import JIT
-from kvcanary.fused._step import BSIZE, CL, IS_BLOCK, NNEW, NO, NROWS, NS, describe, lookup, rd, valid
+from kvcanary.fused._step import BSIZE, CL, IS_BLOCK, NNEW, NO, NROWS, NS, describe, lookup, rd, start, valid
 from kvcanary.fused.cache import njit
 from kvcanary.step import Step
 
@@ -69,20 +69,21 @@ def _written_from(d, out):  # type: ignore[no-untyped-def]
     bs = d[BSIZE]
     for r in range(d[NROWS]):
         cached = rd(d, CL, r)
+        lo = max(start(d, r), 0)  # positions before the row's read window are not read
         first = cached
         if d[IS_BLOCK] != 0:
-            for c in range((max(cached, 0) + bs - 1) // bs):
+            for c in range(lo // bs, (max(cached, 0) + bs - 1) // bs):
                 s = lookup(d, r, c * bs)  # the block's first slot; a negative one holds no written slot
                 if s < 0:
                     continue
-                i = np.searchsorted(new, s)
+                i = np.searchsorted(new, s + max(0, lo - c * bs))
                 if i < m and new[i] < s + bs:
                     pos = c * bs + (new[i] - s)
                     if pos < cached:
                         first = pos
                         break
         else:
-            for p in range(max(cached, 0)):
+            for p in range(lo, max(cached, 0)):
                 s = lookup(d, r, p)
                 i = np.searchsorted(new, s)
                 if s >= 0 and i < m and new[i] == s:
@@ -92,8 +93,8 @@ def _written_from(d, out):  # type: ignore[no-untyped-def]
 
 
 def written_from(step: Step) -> torch.Tensor:
-    """:func:`kvcanary.engines.base.written_from` on a CPU step: per row, the first cached position
-    whose slot this step writes (``cached_len`` if none), by one pass over each row's table
+    """:func:`kvcanary.engines.base.written_from` on a CPU step: per row, the first position of its
+    read window whose slot this step writes (``cached_len`` if none), by one pass over each row's table
     entries against the sorted written slots."""
     step.validate_shapes()
     out = torch.empty(step.num_rows, dtype=torch.int64)

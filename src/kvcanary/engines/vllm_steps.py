@@ -1,0 +1,132 @@
+"""The canary's steps of one vLLM forward, one per KV cache group, from vLLM's attention metadata and
+what the scheduler side sent. Imports nothing of vLLM's: the tests build steps from stand-in metadata.
+
+A forward's rows are the runner's batch order, the same in every KV cache group; each row is matched
+once to its scheduled request by the slot of its first new token in the primary group. Each group
+then gets its own step from its own metadata (block table, slot mapping) with its read window: a
+sliding-window group's kernel reads only the last ``window`` positions before each query token, so
+its step reads from ``cached - window + 1`` (vLLM frees and hands out again the blocks below that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcanary.engines.base import step_from_block_table
+from kvcanary.engines.token_book import TokenBook
+from kvcanary.step import Step
+
+
+@dataclass
+class ReqStep:
+    """One scheduled request in one step, as the scheduler sees it."""
+
+    req_id: str
+    computed: int  # tokens already in the cache (read this step)
+    scheduled: int  # tokens written this step, drafts included
+    first_slot: int  # the slot of its first new token in the primary group (matches the worker's row)
+    start: int  # position of the first token in ``tokens``
+    tokens: list[int]  # committed token ids from ``start`` on that the worker has not been sent yet
+    # draft tokens this forward writes after the committed ones (speculative decoding; -1: not known)
+    drafts: list[int] = field(default_factory=list)
+    # > computed: positions [computed, rollback) were written by an earlier forward and no longer hold
+    # the sequence's KV (rejected drafts rolled back); their slots are released before this forward
+    rollback: int = 0
+    landed_from: int = -1  # another connector lands positions [landed_from, computed) this step
+    prompt_len: int = 0
+
+
+@dataclass
+class Rows:
+    """A forward's rows matched to their requests (shared by every KV cache group's step)."""
+
+    reqs: list[ReqStep | None]  # per row; None: no scheduled request (padding)
+    rids: list[str]  # per row; "" for padding
+    valid: torch.Tensor  # bool [R]
+    tokens: torch.Tensor  # int64 [R, width]: each row's token ids by position (drafts included), -1 unknown
+    unknown_new: bool  # a new token's id is not known (a draft the scheduler had not filled in)
+
+
+def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook) -> Rows:
+    """Match the rows of the primary group's metadata ``md`` to ``reqs`` by the slot of each row's first
+    new token, and lay out every row's token ids: the committed ones from ``book``, then the drafts
+    the forward writes."""
+    qsl = md.query_start_loc.long()
+    r = qsl.shape[0] - 1
+    n = int(md.num_actual_tokens)
+    seq = md.seq_lens[:r].long()
+    first = md.slot_mapping[:n].long()[qsl[:-1].clamp(max=max(n - 1, 0))].tolist() if n else [-1] * r
+    by_slot = {x.first_slot: x for x in reqs}
+    rows = [by_slot.get(s) if q > 0 else None for s, q in zip(first, (qsl[1:] - qsl[:-1]).tolist())]
+    rids = [x.req_id if x is not None else "" for x in rows]
+    upto = seq.tolist()
+    tokens = book.window([rid or "__none__" for rid in rids], [u if x is not None else 0 for u, x in zip(upto, rows)],
+                         max(upto + [1]))
+    unknown = False
+    arr = tokens.numpy()
+    for i, x in enumerate(rows):
+        if x is not None and x.drafts:
+            d0 = x.computed + x.scheduled - len(x.drafts)
+            k = max(0, min(len(x.drafts), arr.shape[1] - d0))
+            arr[i, d0 : d0 + k] = np.asarray(x.drafts[:k], dtype=np.int64)
+            unknown |= bool((arr[i, d0 : d0 + k] < 0).any())
+    valid = torch.tensor([x is not None for x in rows], dtype=torch.bool)
+    return Rows(rows, rids, valid, tokens, unknown)
+
+
+def read_starts(cached: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """The first position each row's attention reads: ``None`` (all of them) without a window; with
+    a sliding ``window`` the kernel reads positions ``p - window + 1 .. p`` for a query at ``p``, so a
+    row whose first new token is at ``cached`` reads from ``cached - window + 1`` (at most
+    ``cached - 1``: the first new token's link chains from there)."""
+    if window is None:
+        return None
+    lo = (cached - window + 1).clamp(min=0)
+    return torch.minimum(lo, (cached - 1).clamp(min=0))
+
+
+def build_step(md: Any, rows: Rows, block_size: int, window: int | None) -> Step:
+    """One KV cache group's step of the forward, from that group's metadata ``md``: reads of the
+    positions the kernel reads before the forward; reads of slots the step itself writes, and of KV
+    another connector lands this step, from ``written_from``."""
+    qsl = md.query_start_loc.long()
+    r = qsl.shape[0] - 1
+    n = int(md.num_actual_tokens)
+    seq = md.seq_lens[:r].long()
+    cached = seq - (qsl[1:] - qsl[:-1])
+    step = step_from_block_table(md.block_table, block_size, qsl, seq, md.slot_mapping[:n].long(), rows.tokens,
+                                 rows.valid, read_starts(cached, window))
+    landed = torch.tensor([x.landed_from if x is not None and x.landed_from >= 0 else int(c)
+                           for x, c in zip(rows.reqs, cached.tolist())], dtype=torch.int64)
+    assert step.written_from is not None
+    step.written_from = torch.minimum(step.written_from, landed)  # landed KV is read once it has landed
+    return step
+
+
+def positions_slots(step: Step, row: int, lo: int, hi: int, block_size: int) -> torch.Tensor:
+    """The slots of positions ``[lo, hi)`` of ``row`` in ``step``'s table, leaving out positions
+    outside the table and the null block (block 0, which tables pad with)."""
+    if hi <= lo:
+        return torch.empty(0, dtype=torch.int64)
+    pos = torch.arange(lo, hi)
+    slots = step.lookup(torch.full_like(pos, row), pos)
+    return slots[slots >= block_size]
+
+
+def rolled_back(step: Step, rows: Rows, block_size: int) -> torch.Tensor:
+    """Slots of this forward's rows that held rejected drafts (positions ``[computed, rollback)``
+    of each row whose request rolled back): to be released before the forward, so that a read of
+    one before it is written again is reported."""
+    parts = [positions_slots(step, i, x.computed, x.rollback, block_size)
+             for i, x in enumerate(rows.reqs) if x is not None and x.rollback > x.computed]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
+    """Every slot of ``blocks``, int64 ``[len(blocks) * block_size]``."""
+    b = torch.tensor(blocks, dtype=torch.int64)
+    return (b[:, None] * block_size + torch.arange(block_size)).reshape(-1)

@@ -1,0 +1,190 @@
+"""The vLLM adapter's steps (kvcanary.engines.vllm_steps) on stand-in attention metadata, without vLLM:
+a sliding window whose freed blocks are handed out again, and speculative decoding's drafts,
+acceptance and rollback. The real engine runs are in tests_vllm/."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcanary import CanaryConfig
+from kvcanary.canary import Canary
+from kvcanary.engines.token_book import TokenBook
+from kvcanary.engines.vllm_groups import plan_groups
+from kvcanary.engines.vllm_steps import ReqStep, block_slots, build_step, match_rows, read_starts, rolled_back
+from kvcanary.layout import ByteSource, KvLayout
+from kvcanary.violations import Check
+
+BS = 4
+
+
+class Pool:
+    """A paged KV pool whose bytes are a function of (token, position), and a canary over it."""
+
+    def __init__(self, blocks: int = 8) -> None:
+        self.kv = torch.zeros(blocks, BS, 2, dtype=torch.int64)
+        layout = KvLayout((ByteSource.from_tensor("kv", self.kv, page_size=BS),), reserved=tuple(range(BS)))
+        self.canary = Canary(blocks * BS, layout, CanaryConfig(mode="log", content_budget_bytes=None,
+                                                               patrol_budget_bytes=0))
+
+    def write(self, slots: list[int], tokens: list[int], positions: list[int]) -> None:
+        for s, t, p in zip(slots, tokens, positions):
+            self.kv[s // BS, s % BS] = torch.tensor([t, p])
+
+
+def metadata(table: list[list[int]], seq_lens: list[int], new: list[int]) -> SimpleNamespace:
+    """vLLM-shaped attention metadata for rows with these block tables, lengths after the step and
+    new-token counts (the slot mapping follows the tables)."""
+    qsl = [0]
+    slots = []
+    for row, (tab, seq, n) in enumerate(zip(table, seq_lens, new)):
+        qsl.append(qsl[-1] + n)
+        slots += [tab[p // BS] * BS + p % BS for p in range(seq - n, seq)]
+    width = max(len(t) for t in table)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in table], dtype=torch.int32)
+    return SimpleNamespace(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                           seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                           slot_mapping=torch.tensor(slots, dtype=torch.int64), block_table=bt,
+                           num_actual_tokens=len(slots))
+
+
+def forward(pool: Pool, book: TokenBook, md: SimpleNamespace, reqs: list[ReqStep], window: int | None,
+            written: dict[int, int] | None = None) -> list:
+    """One forward as the connector runs it: steps, rollback releases, verify, the engine's writes
+    (``written``: slot -> token actually written, default the step's tokens), stamp, drain."""
+    for r in reqs:
+        if r.tokens:
+            book.extend(r.req_id, r.start, r.tokens)
+    rows = match_rows(md, reqs, book)
+    step = build_step(md, rows, BS, window)
+    gone = rolled_back(step, rows, BS)
+    if gone.numel():
+        pool.canary.release(gone)
+    pool.canary.before_forward(step)
+    slots, toks, poss = step.new_slots.tolist(), step.new_tokens.tolist(), step.new_positions.tolist()
+    if written:
+        toks = [written.get(s, t) for s, t in zip(slots, toks)]
+    pool.write(slots, toks, poss)
+    pool.canary.after_forward(step)
+    return pool.canary.drain()
+
+
+def first_slot(table: list[int], computed: int) -> int:
+    return table[computed // BS] * BS + computed % BS
+
+
+@pytest.mark.parametrize("window", [6, None])
+def test_a_sliding_window_verifies_only_what_its_kernel_reads(window):
+    """One request decodes past a window of 6 while, like vLLM's sliding-window manager, the engine
+    frees every block wholly below the window and hands it straight back for the next positions;
+    its block table keeps the stale ids. With the window as read_starts nothing is reported; read
+    from position 0 (the adapter before read windows) the stale entries are reported."""
+    pool, book = Pool(), TokenBook()
+    tokens = [(7 * p + 3) % 50 for p in range(40)]
+    table, free = [1, 2], [3, 4, 5, 6, 7]
+    computed, found = 0, []
+    step_tokens = 8  # the prompt
+    while computed + step_tokens <= len(tokens):
+        end = computed + step_tokens
+        while len(table) * BS < end:
+            table.append(free.pop(0))
+        skipped = max(0, computed - 6 + 1) // BS  # blocks wholly below the window: freed, reused first
+        for b in range(skipped):
+            if table[b] not in free and table[b] not in table[skipped:]:
+                free.insert(0, table[b])
+        req = ReqStep("a", computed, step_tokens, first_slot(table, computed), computed, tokens[computed:end])
+        found += forward(pool, book, metadata([table], [end], [step_tokens]), [req], window)
+        computed, step_tokens = end, 1
+    reused = len(table) > len(set(table))
+    assert reused  # a freed block came back for later positions of the same request
+    if window is None:
+        assert found and Check.POSITION in _checks(found)
+    else:
+        assert found == [] and pool.canary.stats()["slots_verified"] > 0
+
+
+def test_read_starts_follow_the_window_and_keep_the_chain_readable():
+    cached = torch.tensor([0, 1, 5, 40])
+    assert read_starts(cached, None) is None
+    assert read_starts(cached, 32).tolist() == [0, 0, 0, 9]
+    assert read_starts(cached, 1).tolist() == [0, 0, 4, 39]  # the first new token chains from cached - 1
+
+
+@pytest.mark.parametrize("kept", [0, 1, 2])
+def test_drafts_are_stamped_with_the_tokens_written_and_accepted_ones_verify_as_committed(kept):
+    """Speculative decoding: a forward writes the last sampled token and drafts; the first draft is
+    accepted, the next rejected. The next forward rolls back, releasing the rejected drafts' slots,
+    and reads the accepted draft as a committed token: clean. An engine that keeps ``kept`` of the
+    rejected drafts' KV as context (rolls back one slot too few, or not at all) is reported, with
+    the request, at exactly those slots."""
+    pool, book = Pool(), TokenBook()
+    table = [1, 2, 3]
+    md = metadata([table], [5], [5])
+    assert forward(pool, book, md, [ReqStep("a", 0, 5, first_slot(table, 0), 0, [11, 12, 13, 14, 15])], None) == []
+    # sampled 21 (position 5); drafts 31 32 33 at positions 6..8
+    req = ReqStep("a", 5, 4, first_slot(table, 5), 5, [21], [31, 32, 33])
+    assert forward(pool, book, metadata([table], [9], [4]), [req], None) == []
+    assert pool.canary.stamps[[first_slot(table, p) for p in (6, 7, 8)], 0].tolist() == [31, 32, 33]
+    # 31 accepted, then 41 sampled at position 7: positions 7, 8 rolled back; drafts 51 52
+    req = ReqStep("a", 7, 3, first_slot(table, 7), 6, [31, 41], [51, 52], rollback=9)
+    assert forward(pool, book, metadata([table], [10], [3]), [req], None) == []
+    assert pool.canary.stats()["slots_verified"] >= 5 + 7
+    # 51 rejected: 61 sampled at position 8, positions 8, 9 rolled back; one draft, 71
+    req = ReqStep("a", 8, 2, first_slot(table, 8), 8, [61], [71], rollback=10)
+    md = metadata([table], [10], [2])
+    md.seq_lens[0] += kept  # a faulty engine reads `kept` rejected positions as context
+    found = forward(pool, book, md, [req], None)
+    if not kept:
+        assert found == []
+        return
+    # the kept positions were released at the rollback; this forward's writes land on them for
+    # other positions than the ones the faulty read expects
+    assert {v.slot for v in found} >= {first_slot(table, p) for p in range(8, 8 + kept)}
+    assert all(v.row == 0 for v in found) and Check.POSITION in _checks(found)
+
+
+def _checks(found: list) -> set:
+    return {c for v in found for c in Check if c in v.checks}
+
+
+def test_a_draft_of_unknown_id_is_laid_out_as_unknown():
+    book = TokenBook()
+    book.extend("a", 0, [1, 2, 3])
+    md = metadata([[1, 2]], [6], [3])
+    rows = match_rows(md, [ReqStep("a", 3, 3, first_slot([1, 2], 3), 3, [], [-1, 9])], book)
+    assert rows.unknown_new and rows.tokens[0, :6].tolist() == [1, 2, 3, -1, -1, 9]  # position 3: not sent
+
+
+def test_rows_match_by_first_slot_and_unmatched_rows_are_padding():
+    book = TokenBook()
+    md = metadata([[1], [2]], [2, 3], [2, 3])
+    rows = match_rows(md, [ReqStep("b", 0, 3, 2 * BS, 0, [5, 6, 7])], book)
+    assert rows.rids == ["", "b"] and rows.valid.tolist() == [False, True]
+
+
+def test_block_slots_cover_whole_blocks():
+    assert block_slots([0, 2], BS).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+
+
+class FullAttentionSpec(SimpleNamespace):
+    pass
+
+
+class SlidingWindowSpec(SimpleNamespace):
+    pass
+
+
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+def test_groups_are_planned_by_kind_and_state_groups_are_not_covered():
+    groups = [SimpleNamespace(kv_cache_spec=SlidingWindowSpec(block_size=32, sliding_window=64), layer_names=["a"]),
+              SimpleNamespace(kv_cache_spec=FullAttentionSpec(block_size=32), layer_names=["b"]),
+              SimpleNamespace(kv_cache_spec=MambaSpec(block_size=64), layer_names=["c"])]
+    plans = plan_groups(SimpleNamespace(kv_cache_groups=groups), SimpleNamespace(speculative_config=None))
+    assert [(p.kind, p.window, p.covered) for p in plans] == [("sliding", 64, True), ("full", None, True),
+                                                               ("MambaSpec", None, False)]
+    assert "not per-token KV" in (plans[2].why_not or "")
