@@ -18,6 +18,8 @@ VLLM_FAULTS = {
     "flip_k": {"CONTENT"},
     "flip_first_read": {"CONTENT"},
     "write_null_block": {"CONTENT"},
+    "keep_rejected_drafts": {"EMPTY", "POSITION", "LINK", "TOKEN"},
+    "rollback_one_short": {"EMPTY", "POSITION", "LINK", "TOKEN"},
 }
 # fault -> where its first detection must come from
 SITES = {"flip_first_read": "[first_read step", "write_null_block": "[guard step"}

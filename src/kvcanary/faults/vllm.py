@@ -11,7 +11,14 @@ forward (each fires once, at the ``at``-th forward or the first later one where 
 - ``flip_first_read``: one bit of a cached block flips just before a new request's first read of it
   through the prefix cache (cold KV corrupted while no request read it);
 - ``write_null_block``: a stray write (a padding token's, a dummy run's) lands in the null block,
-  block 0, which tables pad with and nothing may write.
+  block 0, which tables pad with and nothing may write;
+- ``keep_rejected_drafts``: after speculative decoding rejected drafts, the engine keeps their KV
+  as part of the sequence instead of rolling back (the next forward reads them as context);
+- ``rollback_one_short``: after a rejection the engine rolls back one slot too few (the next forward
+  reads the first rejected draft's KV as context).
+
+The two speculative-decoding faults need a forward after a rejection (ngram drafting on a
+repetitive prompt); the others a forward whose rows share cached blocks.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ def install(name: str, at: int = 3, seed: int = 0) -> VllmFault:
 
     def bind(self: Any, meta: Any) -> None:
         md = get_forward_context().attn_metadata
-        md = next(iter(md.values())) if isinstance(md, dict) else md
+        md = self.metadata(md, self.primary) if md else None
         if md is not None and fault.injected_at is None and fault.forwards >= fault.at and self.kv_caches:
             if INJECTORS[name](self, md, meta, random.Random(seed), fault.detail):
                 fault.injected_at = fault.forwards
@@ -98,7 +105,7 @@ def _flip(half: str) -> Any:
         if picked is None:
             return False
         block, readers = picked
-        layer = rng.choice(list(conn.kv_caches))
+        layer = rng.choice(conn.fault_layers())
         kv = conn.kv_caches[layer]
         head, t, d = rng.randrange(kv.shape[1]), rng.randrange(kv.shape[2]), rng.randrange(kv.shape[3] // 2)
         flat, off = _element(conn, layer, block, head, t, d, half)
@@ -164,7 +171,7 @@ def flip_first_read(conn: Any, md: Any, meta: Any, rng: random.Random, detail: d
         if not old:
             continue
         block = rng.choice(old)
-        layer = rng.choice(list(conn.kv_caches))
+        layer = rng.choice(conn.fault_layers())
         kv = conn.kv_caches[layer]
         t = rng.randrange(bs)
         flat, off = _element(conn, layer, block, rng.randrange(kv.shape[1]), t, rng.randrange(kv.shape[3] // 2), "k")
@@ -175,7 +182,7 @@ def flip_first_read(conn: Any, md: Any, meta: Any, rng: random.Random, detail: d
 
 
 def write_null_block(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
-    layer = rng.choice(list(conn.kv_caches))
+    layer = rng.choice(conn.fault_layers())
     kv = conn.kv_caches[layer]
     t = rng.randrange(conn.block_size)
     flat, off = _element(conn, layer, 0, rng.randrange(kv.shape[1]), t, rng.randrange(kv.shape[3] // 2), "v")
@@ -184,5 +191,23 @@ def write_null_block(conn: Any, md: Any, meta: Any, rng: random.Random, detail: 
     return True
 
 
+def _kept_drafts(keep_all: bool) -> Any:
+    def inject(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+        qsl = md.query_start_loc.tolist()
+        by_slot = {r.first_slot: r for r in meta.reqs}
+        for row in range(len(qsl) - 1):
+            r = by_slot.get(int(md.slot_mapping[qsl[row]]))
+            if r is None or r.rollback <= r.computed:
+                continue
+            kept = r.rollback - r.computed if keep_all else 1
+            md.seq_lens[row] += kept  # the forward reads the rejected drafts' positions as context
+            detail.update(request=r.req_id, kept=kept, computed=r.computed, rejected=r.rollback - r.computed)
+            return True
+        return False
+
+    return inject
+
+
 INJECTORS = {"flip_k": _flip("k"), "flip_v": _flip("v"), "redirect": redirect, "reuse": reuse, "zero": zero,
-             "flip_first_read": flip_first_read, "write_null_block": write_null_block}
+             "flip_first_read": flip_first_read, "write_null_block": write_null_block,
+             "keep_rejected_drafts": _kept_drafts(True), "rollback_one_short": _kept_drafts(False)}

@@ -30,6 +30,9 @@ from kvcanary.faults.runner import FaultResult
 from kvcanary.violations import Check
 
 RESULT = "RESULT "
+# stats that are levels, not counts: reported as they are after the run, not as a difference
+LEVELS = frozenset({"num_slots", "patrol_pass_steps", "unverified_age_max_steps", "guard_slots", "scrub_position",
+                    "kv_cache_groups", "kv_cache_groups_covered"})
 # set (unless already set) before vLLM is imported: one in-process engine, a 1 GiB KV space
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 # the selftest's runs: in-process engines (the canary and the fault in reach), the canary in log mode
@@ -47,6 +50,7 @@ class FaultSpec:
     checks: Check  # any of these firing at or after the injection counts as its detection
     max_forwards: int  # forwards within which it must be detected (1: the forward it lands in)
     env: tuple[tuple[str, str], ...] = ()  # configuration over the selftest's (KVCANARY_* variables)
+    run: tuple[tuple[str, Any], ...] = ()  # engine run keys over the selftest's (see :func:`run`)
 
     @property
     def zoo(self) -> tuple[str, ...]:
@@ -70,6 +74,13 @@ FAULTS: tuple[FaultSpec, ...] = (
     FaultSpec("flip_first_read", "cold_bytes_then_prefix_hit", Check.CONTENT, 1,
               (("KVCANARY_CONTENT_BUDGET_BYTES", "0"), ("KVCANARY_PATROL_BUDGET_BYTES", "0"))),
     _spec("write_null_block", "padding_write_into_reserved"),
+    # speculative decoding (ngram drafts on a repetitive prompt): the forward after a rejection reads
+    # rejected drafts' KV as context, all of it or one slot of it; their slots were released at the
+    # rollback and this forward's writes land on them for other positions
+    FaultSpec("keep_rejected_drafts", "", Check.EMPTY | Check.POSITION | Check.LINK | Check.TOKEN, 1,
+              run=(("spec", 3), ("prompts", "repetitive"), ("max_tokens", 48))),
+    FaultSpec("rollback_one_short", "", Check.EMPTY | Check.POSITION | Check.LINK | Check.TOKEN, 1,
+              run=(("spec", 3), ("prompts", "repetitive"), ("max_tokens", 48))),
 )
 
 
@@ -97,11 +108,22 @@ def save_tiny_llama(path: str, layers: int = 2, hidden: int = 128, heads: int = 
     return path
 
 
-def prompts(n: int, seed: int, prefix: int = 64, vocab: int = 512) -> list[list[int]]:
-    """``n`` prompts: one of 3 random ``prefix``-token prefixes plus a random tail of 3 to 30 tokens."""
+def prompts(n: int, seed: int, prefix: int = 64, vocab: int = 512, shape: str = "shared") -> list[list[int]]:
+    """``n`` prompts: one of 3 random ``prefix``-token prefixes plus a random tail of 3 to 30 tokens.
+    ``shape="repetitive"``: every prefix and tail a short random pattern repeated (ngram drafting
+    finds its continuations in the prompt)."""
+    if shape not in ("shared", "repetitive"):
+        raise ValueError(f"prompts: expected 'shared' or 'repetitive', got {shape!r}")
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(vocab) for _ in range(prefix)] for _ in range(3)]
-    return [rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(3, 30))] for _ in range(n)]
+
+    def draw(k: int) -> list[int]:
+        if shape == "shared":
+            return [rng.randrange(vocab) for _ in range(k)]
+        pattern = [rng.randrange(vocab) for _ in range(rng.randint(2, 5))]
+        return (pattern * (k // len(pattern) + 1))[:k]
+
+    prefixes = [draw(prefix) for _ in range(3)]
+    return [rng.choice(prefixes) + draw(rng.randint(3, 30)) for _ in range(n)]
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -110,18 +132,25 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ``cfg`` keys: ``model`` (a local folder, required); ``canary`` (turn the connector on);
     ``kv_transfer_config`` (instead of the plain connector flag); ``fault``, ``fault_at`` (a fault of
     :mod:`kvcanary.faults.vllm`, injected at that forward or the first later one with a target);
-    ``seed`` (prompts and fault); ``requests``, ``prefix``, ``max_tokens``; ``warmup`` (requests of a
-    first, untimed generate on other prompts; the stats returned leave it out); engine sizes
-    ``num_blocks``, ``max_batched``, ``max_seqs``, ``max_model_len``, ``dtype``, ``tensor_parallel``;
-    ``abort`` (a step count: half the requests start, every other one of them is aborted after that
-    many steps, then the rest join).
+    ``seed`` (prompts and fault); ``requests``, ``prefix`` (shared prefix tokens), ``max_tokens``,
+    ``prompts`` (``"shared"``: shared prefixes and random tails; ``"repetitive"``: the same, each
+    made of a short repeated pattern, which ngram drafting predicts); ``warmup`` (requests of a
+    first, untimed generate on other prompts; the stats returned leave it out); sampling ``n``
+    (parallel samples per request) and ``temperature``; ``spec`` (ngram speculative decoding with
+    this many drafts); engine sizes ``num_blocks`` (``None``: what the KV cache space holds),
+    ``block_size``, ``max_batched``, ``max_seqs``, ``max_model_len``, ``dtype``, ``tensor_parallel``,
+    ``prefix_caching``; ``abort`` (a step count: half the requests start, every other one of them is
+    aborted after that many steps, then the rest join).
 
-    Returns ``tokens`` (request id -> generated ids), ``preemptions``, ``generate_s`` (the timed
-    generate call), ``tokens_generated``, ``threads`` (torch's intra-op threads after the run) and,
-    under the canary of an in-process engine, ``stats`` and ``violations`` (the first 200, with
-    ``text``), and the injected fault's ``fault`` detail (``step``: the canary step it landed in). A
-    multiprocess engine (``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment) keeps its canaries and
-    faults in its worker processes: read them from ``KVCANARY_VIOLATIONS_LOG``.
+    Returns ``tokens`` (request id, with ``/j`` for the j-th of ``n`` samples -> generated ids),
+    ``events`` (:data:`kvcanary.faults.vllm_events.EVENTS` counted during the run; ``preemptions``
+    is also at the top level), ``kv_cache`` (the engine's KV cache groups and blocks, in-process
+    engines), ``generate_s`` (the timed generate call), ``tokens_generated``, ``threads`` (torch's
+    intra-op threads after the run) and, under the canary of an in-process engine, ``stats`` and
+    ``violations`` (the first 200, with ``text``), and the injected fault's ``fault`` detail
+    (``step``: the canary step it landed in). A multiprocess engine
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment) keeps its canaries and faults in its
+    worker processes: read them from ``KVCANARY_VIOLATIONS_LOG`` and the metrics.
     """
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
@@ -130,18 +159,21 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     from kvcanary.faults import vllm as faults_vllm
+    from kvcanary.faults import vllm_events
 
     kvc = None
     if cfg.get("canary"):
         kvc = cfg.get("kv_transfer_config") or {"kv_connector": "KvCanaryConnector", "kv_role": "kv_both"}
-    preempted = _count_preemptions()
+    events = vllm_events.watch()
     seed = cfg.get("seed", 0)
     fault = faults_vllm.install(cfg["fault"], cfg.get("fault_at", 3), seed) if cfg.get("fault") else None
     llm = _engine(cfg, kvc)
-    sp = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=cfg.get("temperature", 0.0),
+                        n=cfg.get("n", 1), ignore_eos=True)
+    shape = cfg.get("prompts", "shared")
 
     def generate(n: int, seed: int) -> tuple[list[Any], float]:
-        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(n, seed, cfg.get("prefix", 64))]
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(n, seed, cfg.get("prefix", 64), shape=shape)]
         t0 = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         return outs, time.perf_counter() - t0
@@ -151,16 +183,18 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     canary = _canary() if kvc is not None else None
     before = canary.stats() if canary is not None else {}
     if cfg.get("abort"):
-        outs, wall = _with_aborts(llm, prompts(cfg.get("requests", 12), seed, cfg.get("prefix", 64)), sp,
-                                  cfg["abort"])
+        outs, wall = _with_aborts(llm, prompts(cfg.get("requests", 12), seed, cfg.get("prefix", 64), shape=shape),
+                                  sp, cfg["abort"])
     else:
         outs, wall = generate(cfg.get("requests", 12), seed)
-    out: dict[str, Any] = {"tokens": {o.request_id: list(o.outputs[0].token_ids) for o in outs},
-                           "preemptions": preempted[0], "generate_s": wall,
-                           "tokens_generated": sum(len(o.outputs[0].token_ids) for o in outs),
+    tokens = {o.request_id if len(o.outputs) == 1 else f"{o.request_id}/{j}": list(c.token_ids)
+              for o in outs for j, c in enumerate(o.outputs)}
+    out: dict[str, Any] = {"tokens": tokens, "events": dict(events), "preemptions": events["preemptions"],
+                           "kv_cache": vllm_events.kv_cache_layout(llm), "generate_s": wall,
+                           "tokens_generated": sum(len(t) for t in tokens.values()),
                            "threads": torch.get_num_threads()}
     if canary is not None:
-        out["stats"] = {k: v - before.get(k, 0) for k, v in canary.stats().items()}
+        out["stats"] = {k: v if k in LEVELS else v - before.get(k, 0) for k, v in canary.stats().items()}
         out["violations"] = [{**v.to_dict(), "text": v.describe()} for v in canary.violations[:200]]
     if fault is not None and canary is not None:
         out["fault"] = fault.detail
@@ -190,29 +224,20 @@ def _with_aborts(llm: Any, ps: list[list[int]], sp: Any, after: int) -> tuple[li
 
 
 def _engine(cfg: dict[str, Any], kv_transfer_config: dict[str, Any] | None) -> Any:
-    """The ``vllm.LLM`` of ``cfg``: eager, block size 32, prefix caching, greedy-reproducible (seed 0)."""
+    """The ``vllm.LLM`` of ``cfg``: eager, block size 32 and prefix caching unless ``cfg`` says
+    otherwise, greedy-reproducible (seed 0)."""
     from vllm import LLM
 
+    spec = None
+    if cfg.get("spec"):
+        spec = {"method": "ngram", "num_speculative_tokens": int(cfg["spec"]), "prompt_lookup_max": 4,
+                "prompt_lookup_min": 1}
     return LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg.get("dtype", "float32"),
-               block_size=32, enable_prefix_caching=True, num_gpu_blocks_override=cfg.get("num_blocks", 64),
+               block_size=cfg.get("block_size", 32), enable_prefix_caching=cfg.get("prefix_caching", True),
+               num_gpu_blocks_override=cfg.get("num_blocks", 64), speculative_config=spec,
                max_num_batched_tokens=cfg.get("max_batched", 2048), max_num_seqs=cfg.get("max_seqs", 16),
                max_model_len=cfg.get("max_model_len", 512), tensor_parallel_size=cfg.get("tensor_parallel", 1),
                kv_transfer_config=kv_transfer_config, seed=0)
-
-
-def _count_preemptions() -> list[int]:
-    """Count the scheduler's preemptions of this process's engine (a one-element list, updated live)."""
-    from vllm.v1.core.sched import scheduler
-
-    preempted = [0]
-    orig = scheduler.Scheduler._preempt_request
-
-    def count(self: Any, *a: Any, **k: Any) -> Any:
-        preempted[0] += 1
-        return orig(self, *a, **k)
-
-    scheduler.Scheduler._preempt_request = count
-    return preempted
 
 
 def _canary() -> Any:
@@ -249,7 +274,7 @@ def run_in_subprocess(cfg: dict[str, Any], env: dict[str, str | None] | None = N
 
 def run_fault(spec: FaultSpec, seed: int, model: str) -> FaultResult:
     """Inject ``spec`` once into a tiny vLLM engine under the canary and judge the detection."""
-    cfg = {"model": model, "canary": True, "fault": spec.name, "seed": seed, "max_seqs": 4}
+    cfg = {"model": model, "canary": True, "fault": spec.name, "seed": seed, "max_seqs": 4, **dict(spec.run)}
     try:
         out = run_in_subprocess(cfg, env={**SELFTEST_ENV, **dict(spec.env), "KVCANARY_VIOLATIONS_LOG": None})
     except RuntimeError as e:

@@ -1,0 +1,69 @@
+"""Counting what a vLLM engine of this process did that matters to the canary, so a clean run can
+assert that the events it claims to exercise really happened: preemptions, speculative drafts
+scheduled, accepted and rejected, blocks a sliding window freed and blocks handed out again after
+that. :func:`watch` wraps the scheduler's own methods (once per process, before the engine starts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+EVENTS = ("preemptions", "drafts", "drafts_accepted", "window_freed_blocks", "window_reused_blocks")
+
+
+def watch() -> dict[str, int]:
+    """Start counting; returns the live counts (a dict keyed by :data:`EVENTS`)."""
+    from vllm.v1.core import block_pool, single_type_kv_cache_manager as stm
+    from vllm.v1.core.sched import scheduler
+
+    counts = dict.fromkeys(EVENTS, 0)
+    freed: set[int] = set()
+    sch = scheduler.Scheduler
+    preempt, spec = sch._preempt_request, sch.make_spec_decoding_stats
+
+    def count_preempt(self: Any, *a: Any, **k: Any) -> Any:
+        counts["preemptions"] += 1
+        return preempt(self, *a, **k)
+
+    def count_spec(self: Any, stats: Any, num_draft_tokens: int, num_accepted_tokens: int, *a: Any, **k: Any) -> Any:
+        counts["drafts"] += num_draft_tokens
+        counts["drafts_accepted"] += num_accepted_tokens
+        return spec(self, stats, num_draft_tokens, num_accepted_tokens, *a, **k)
+
+    sch._preempt_request = count_preempt
+    sch.make_spec_decoding_stats = count_spec
+    window = stm.SlidingWindowManager
+    remove = window.remove_skipped_blocks
+
+    def count_remove(self: Any, request_id: str, *a: Any, **k: Any) -> Any:
+        before = {b.block_id for b in self.req_to_blocks.get(request_id, ()) if b.block_id}
+        out = remove(self, request_id, *a, **k)
+        after = {b.block_id for b in self.req_to_blocks.get(request_id, ()) if b.block_id}
+        counts["window_freed_blocks"] += len(before - after)
+        freed.update(before - after)
+        return out
+
+    window.remove_skipped_blocks = count_remove
+    pool = block_pool.BlockPool
+    get_new = pool.get_new_blocks
+
+    def count_reuse(self: Any, *a: Any, **k: Any) -> Any:
+        blocks = get_new(self, *a, **k)
+        again = freed & {b.block_id for b in blocks}
+        counts["window_reused_blocks"] += len(again)
+        freed.difference_update(again)
+        return blocks
+
+    pool.get_new_blocks = count_reuse
+    return counts
+
+
+def kv_cache_layout(llm: Any) -> dict[str, Any] | None:
+    """The KV cache groups (spec class, block size, layers) and the pool's blocks of an in-process
+    engine (``None`` when its engine core is another process)."""
+    try:
+        cfg = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.kv_cache_config
+    except AttributeError:
+        return None
+    groups = [{"spec": type(g.kv_cache_spec).__name__, "block_size": int(g.kv_cache_spec.block_size),
+               "layers": list(g.layer_names)} for g in cfg.kv_cache_groups]
+    return {"groups": groups, "num_blocks": int(cfg.num_blocks)}
