@@ -1,0 +1,29 @@
+"""A few fixed crossings of the randomized vLLM clean fuzz (bench/vllm_fuzz.py runs the long draw):
+each runs without the canary (twice where vLLM is not deterministic) and with it in raise mode, and
+must show zero violations, zero internal errors, the same KV cache groups and blocks, the same
+greedy tokens where vLLM is deterministic, and the engine events it claims."""
+
+import pytest
+
+from kvcanary.faults.vllm_fuzz import FuzzConfig, pool_for_preemption, run_config
+
+CROSSINGS = [
+    # sliding + full groups, bf16, vec16 kernels, a prefix off the block boundary, chunked prefill,
+    # a pool that preempts, ngram drafts
+    FuzzConfig(arch="gemma2", dtype="bfloat16", head_dim=80, block_size=64, prefix=80, max_batched=48,
+               num_blocks=pool_for_preemption("gemma2", 64, 256), requests=8, max_seqs=8, max_tokens=96, spec=3,
+               seed=11),
+    # full attention, block size 128, parallel sampling, aborts, every read byte verified, no prefix cache
+    FuzzConfig(arch="qwen3", head_dim=112, block_size=128, prefix=128, prefix_caching=False, n=2, abort=4,
+               requests=8, max_tokens=48, every_byte=True, seed=12),
+    # a window on every layer crossed with tensor parallel 2 and ngram drafts
+    FuzzConfig(arch="mistral", head_dim=64, prefix=50, tensor_parallel=2, spec=4, requests=4, max_seqs=4,
+               max_tokens=96, seed=13),
+]
+
+
+@pytest.mark.parametrize("cfg", CROSSINGS, ids=[c.name for c in CROSSINGS])
+def test_fixed_crossing_verifies_clean_and_changes_nothing(cfg, tmp_path):
+    res = run_config(cfg, str(tmp_path))
+    assert res["ok"], res["failures"]
+    assert res["slots_verified"] > 0 and res["forwards"] > 0
