@@ -57,3 +57,19 @@ def test_hybrid_models_keep_their_kv_cache_groups_and_blocks(models, arch):
     assert run["violations"] == [] and st["internal_errors"] == 0 and st["slots_verified"] > 0
     assert run["events"]["window_freed_blocks"] > 0
     assert sorted(run["tokens"].values()) == sorted(base["tokens"].values())
+
+
+def test_a_recurrent_state_group_starts_uncovered_and_changes_nothing(models):
+    """Qwen3-Next's gated-delta-net layers keep recurrent state (a Mamba-kind KV cache group), which
+    is not per-token KV: the engine starts with the canary, that group is reported as not covered,
+    the attention group is verified, and the KV cache, the pool and the tokens are as without it."""
+    cfg = {"model": models("qwen3_next"), "num_blocks": None, "dtype": "bfloat16", "requests": 4, "max_tokens": 24,
+           "max_batched": 64}
+    base = run_in_subprocess(cfg)
+    run = run_in_subprocess({**cfg, "canary": True}, RAISE)
+    assert [g["spec"] for g in base["kv_cache"]["groups"]] == ["MambaSpec", "FullAttentionSpec"]
+    assert run["kv_cache"] == base["kv_cache"]
+    st = run["stats"]
+    assert (st["kv_cache_groups"], st["kv_cache_groups_covered"]) == (2, 1)
+    assert run["violations"] == [] and st["internal_errors"] == 0 and st["slots_verified"] > 0
+    assert sorted(run["tokens"].values()) == sorted(base["tokens"].values())

@@ -189,6 +189,7 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
 # KVCANARY_* variables read elsewhere, which set no CanaryConfig field
 OTHER_ENV: dict[str, str] = {
     "KVCANARY_CACHE_DIR": "where the fused CPU loops are compiled to (kvcanary.fused.cache)",
+    "KVCANARY_EVENTS_FILE": "the vLLM tests and fuzz: count engine events in every vLLM process (vllm_events)",
     "KVCANARY_STAMP_STORE": "the vLLM connector's stamp directory, beside another connector's stored KV",
     "KVCANARY_TEST_FAULT": "the vLLM tests' fault plugin: the fault to inject in every worker",
     "KVCANARY_TEST_FAULT_AT": "the vLLM tests' fault plugin: the forward it is injected at",

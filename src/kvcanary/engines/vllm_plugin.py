@@ -1,8 +1,15 @@
 """kvcanary's ``vllm.general_plugins`` entry point: vLLM runs :func:`register` in each of its
 processes (driver, engine core, workers), which makes the connector name ``KvCanaryConnector``
-resolve there. Importing this module imports nothing of vLLM's or of the connector's."""
+resolve there. Importing this module imports nothing of vLLM's or of the connector's.
+
+With ``KVCANARY_EVENTS_FILE`` set (the vLLM tests and the clean fuzz), each process also counts the
+engine events a run claims (:mod:`kvcanary.faults.vllm_events`), with the canary on or off."""
 
 from __future__ import annotations
+
+import os
+
+_events: list[str] = []  # the events file this process records to, once
 
 
 def register() -> None:
@@ -11,3 +18,9 @@ def register() -> None:
 
     if "KvCanaryConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector("KvCanaryConnector", "kvcanary.engines.vllm", "KvCanaryConnector")
+    path = os.environ.get("KVCANARY_EVENTS_FILE")
+    if path and not _events:
+        from kvcanary.faults.vllm_events import record_to
+
+        _events.append(path)
+        record_to(path)

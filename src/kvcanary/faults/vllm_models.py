@@ -7,7 +7,10 @@ Each architecture brings the attention kind that makes it interesting to the can
 - ``mistral``: a sliding window on every layer (one group, vLLM's sliding-window manager frees the
   blocks that fall below the window and hands them out again);
 - ``gemma2``, ``gemma3``, ``gpt_oss``: sliding-window and full layers mixed (several KV cache groups
-  under vLLM's hybrid KV cache manager; GPT-OSS adds attention sinks and experts).
+  under vLLM's hybrid KV cache manager; GPT-OSS adds attention sinks and experts);
+- ``qwen3_next``: linear-attention (gated delta net) layers beside full attention: a KV cache group
+  of recurrent state, which is not per-token KV (vLLM's CPU kernels for it need bf16 and fixed
+  head sizes, so it is outside the fuzz's draw).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma2", "gemma3", "gpt_oss")
+STATE_ARCHS = ("qwen3_next",)  # with a recurrent-state KV cache group
 # architectures whose layers read only a window of the sequence (on some or all layers)
 WINDOWED = frozenset({"mistral", "gemma2", "gemma3", "gpt_oss"})
 
@@ -32,8 +36,8 @@ def config(arch: str, layers: int = 2, head_dim: int = 32, heads: int = 4, kv_he
     """
     import transformers
 
-    if arch not in ARCHS:
-        raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+    if arch not in ARCHS + STATE_ARCHS:
+        raise ValueError(f"arch: expected one of {ARCHS + STATE_ARCHS}, got {arch!r}")
     hidden = heads * head_dim
     common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048)
@@ -49,6 +53,13 @@ def config(arch: str, layers: int = 2, head_dim: int = 32, heads: int = 4, kv_he
                                          attn_logit_softcapping=None, final_logit_softcapping=None)
     if arch == "gemma3":
         return transformers.Gemma3TextConfig(**common, head_dim=head_dim, sliding_window=window, layer_types=mixed)
+    if arch == "qwen3_next":  # the sizes vLLM's CPU gated-delta-net kernels take
+        return transformers.Qwen3NextConfig(**{**common, "hidden_size": 256}, head_dim=64, linear_num_value_heads=2,
+                                            linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                            shared_expert_intermediate_size=64,
+                                            layer_types=["linear_attention" if i % 2 == 0 else "full_attention"
+                                                         for i in range(layers)])
     return transformers.GptOssConfig(**common, head_dim=head_dim, sliding_window=window, layer_types=mixed,
                                      num_local_experts=4, num_experts_per_tok=2)
 

@@ -164,7 +164,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     kvc = None
     if cfg.get("canary"):
         kvc = cfg.get("kv_transfer_config") or {"kv_connector": "KvCanaryConnector", "kv_role": "kv_both"}
-    events = vllm_events.watch()
+    events_file = None
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":  # the scheduler runs in another process
+        events_file = os.environ.setdefault("KVCANARY_EVENTS_FILE",
+                                            os.path.join(tempfile.mkdtemp(prefix="kvcanary-events-"), "events"))
+    events = vllm_events.watch() if events_file is None else {}
     seed = cfg.get("seed", 0)
     fault = faults_vllm.install(cfg["fault"], cfg.get("fault_at", 3), seed) if cfg.get("fault") else None
     llm = _engine(cfg, kvc)
@@ -189,6 +193,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         outs, wall = generate(cfg.get("requests", 12), seed)
     tokens = {o.request_id if len(o.outputs) == 1 else f"{o.request_id}/{j}": list(c.token_ids)
               for o in outs for j, c in enumerate(o.outputs)}
+    if events_file is not None:
+        events = vllm_events.collect(events_file)
     out: dict[str, Any] = {"tokens": tokens, "events": dict(events), "preemptions": events["preemptions"],
                            "kv_cache": vllm_events.kv_cache_layout(llm), "generate_s": wall,
                            "tokens_generated": sum(len(t) for t in tokens.values()),
