@@ -13,15 +13,15 @@ The connector declares vLLM's ``SupportsHMA``, so turning it on leaves the hybri
 the KV cache groups and the pool as vLLM builds them; each worker runs one canary per KV cache group
 (:mod:`kvcanary.engines.vllm_groups`).
 
-Scheduler side (engine core): ships, per step, each scheduled request's new committed token ids,
-the draft tokens its forward writes (speculative decoding), its computed-token count, where rejected
-drafts were rolled back, and the slot of its first new token; and the blocks vLLM zeroes. Worker
-side (each worker and tensor-parallel rank): at ``bind_connector_metadata``, inside the forward
+Scheduler side (engine core, :mod:`kvcanary.engines.vllm_sched`): ships, per step, each scheduled
+request's new committed token ids, the draft tokens its forward writes (speculative decoding), its
+computed-token count, where rejected drafts were rolled back, and the slot of its first new token;
+and the blocks vLLM zeroes or copies. Worker side (each worker and tensor-parallel rank): at ``bind_connector_metadata``, inside the forward
 context, it builds each group's step from that group's attention metadata
 (:mod:`kvcanary.engines.vllm_steps`) and verifies every cached slot each request reads; reads of
 slots that another request of the batch computes in this same forward (a prefix-cache hit handed out
 before its KV exists) are left to ``wait_for_save``, which stamps the written slots and then
-verifies those.
+verifies those. Beside a connector that stores and loads KV: :mod:`kvcanary.engines.vllm_transfer`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,8 +44,10 @@ from kvcanary import layouts
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.base import Adapter
+from kvcanary.engines import vllm_transfer
 from kvcanary.engines.vllm_groups import GroupPlan, plan_groups, single_group
-from kvcanary.engines.vllm_steps import ReqStep, Rows, block_slots, build_step, match_rows, positions_slots, rolled_back
+from kvcanary.engines.vllm_sched import CanaryMeta, SchedulerSide
+from kvcanary.engines.vllm_steps import ReqStep, Rows, block_slots, build_step, match_rows, rolled_back
 from kvcanary.errors import UnsupportedError
 from kvcanary.step import Step
 from kvcanary.violations import Site, Violation
@@ -53,18 +55,6 @@ from kvcanary.violations import Site, Violation
 log = logging.getLogger("kvcanary")
 NAME = "KvCanaryConnector"
 __all__ = ["KvCanaryConnector", "CanaryMeta", "ReqStep", "NAME"]
-
-
-@dataclass
-class CanaryMeta(KVConnectorMetadata):
-    """What the scheduler side sends the workers each step."""
-
-    reqs: list[ReqStep] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)
-    zeroed: list[int] = field(default_factory=list)  # blocks vLLM zeroes before this forward
-    # block copies (source, destination) vLLM makes before this forward (a partial prefix-cache hit
-    # copied to a private block)
-    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -77,7 +67,7 @@ class _Group:
     step: Step | None = None
 
 
-class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA, Adapter):
+class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter):
     """vLLM V1 KV connector that runs kvcanary on every worker. Loads and saves no KV itself."""
 
     engine = "vllm"
@@ -93,13 +83,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA, Adapter):
         self.block_size = covered[0].block_size if covered else bs
         extra = dict(getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {})
         self.stamp_store: str | None = extra.get("stamp_store") or os.environ.get("KVCANARY_STAMP_STORE")
-        self._local: dict[str, int] = {}  # request id -> tokens the local prefix cache had
         self.rank = _rank()
-        # scheduler side
-        self._reqs: dict[str, Any] = {}  # request id -> vLLM Request
-        self._sent: dict[str, int] = {}  # request id -> tokens already sent to the workers
-        self._end: dict[str, int] = {}  # request id -> computed + scheduled tokens as of its last step
-        self._finished: list[str] = []
+        SchedulerSide.__init__(self)
         # worker side
         self.groups: list[_Group] = []
         self.forwards = 0
@@ -108,64 +93,6 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA, Adapter):
         self._seen: set[str] = set()  # requests whose first read of cached KV was verified
         self._meta = CanaryMeta()
         self.kv_caches: dict[str, torch.Tensor] = {}
-
-    # ---- scheduler side -----------------------------------------------------------------------
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        self._reqs[request.request_id] = request
-        self._local[request.request_id] = num_computed_tokens
-        return 0, False
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._reqs[request.request_id] = request
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        so = scheduler_output
-        meta = CanaryMeta(finished=self._finished, zeroed=list(so.new_block_ids_to_zero or []),
-                          copies=[(int(c[0]), int(c[1])) for c in getattr(so, "kv_cache_block_copies", None) or ()])
-        self._finished = []
-        for r in so.scheduled_new_reqs:
-            self._add(meta, so, r.req_id, r.num_computed_tokens, r.block_ids, resumed=True)
-        cached = so.scheduled_cached_reqs
-        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
-        for i, rid in enumerate(cached.req_ids):
-            blocks = self._kv_cache_manager.get_block_ids(rid) if self._kv_cache_manager is not None else ()
-            self._add(meta, so, rid, cached.num_computed_tokens[i], blocks, resumed=rid in resumed)
-        return meta
-
-    def _add(self, meta: CanaryMeta, so: Any, rid: str, computed: int, block_ids: Any, resumed: bool) -> None:
-        req = self._reqs.get(rid)
-        blocks = block_ids[self.primary] if len(block_ids) > self.primary else []
-        bs = self.block_size
-        if req is None or computed // bs >= len(blocks):
-            return
-        scheduled = int(so.num_scheduled_tokens[rid])
-        drafts = [int(t) for t in (so.scheduled_spec_decode_tokens or {}).get(rid, ())]
-        have = self._sent.get(rid, 0)
-        known = req.all_token_ids
-        upto = min(len(known), computed + scheduled)  # a token not yet sampled is not sent, never guessed
-        tokens = list(known[have:upto]) if upto > have else []
-        self._sent[rid] = max(have, upto)
-        # a running request whose computed count went back (rejected drafts) rewrites those positions
-        end = self._end.get(rid, 0)
-        rollback = end if not resumed and computed < end else 0
-        self._end[rid] = computed + scheduled
-        first = blocks[computed // bs] * bs + computed % bs
-        local = self._local.pop(rid, computed)  # below computed: another connector lands the rest
-        meta.reqs.append(ReqStep(rid, computed, scheduled, first, have, tokens, drafts, rollback,
-                                 landed_from=local if local < computed else -1,
-                                 prompt_len=len(req.prompt_token_ids or [])))
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
-        for d in (self._reqs, self._sent, self._local, self._end):
-            d.pop(rid, None)
-        self._finished.append(rid)
-        return False, None
-
-    def request_finished_all_groups(self, request: Any,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ---- worker side --------------------------------------------------------------------------
 
@@ -347,59 +274,17 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA, Adapter):
         self.report(found, rank=self.rank)
         self.publish_metrics()
         if self.stamp_store:
-            self._store()
+            vllm_transfer.store(self)
 
     def _first_reader(self, name: str, v: Violation) -> Violation:
         rid = self.first_reader(name, v)
         return dataclasses.replace(v, request=rid) if rid else v
 
-    def _store(self) -> None:
-        """Save the stamps of each new prompt's whole blocks (primary group) beside the KV another
-        connector stores."""
-        from kvcanary import stamp_store
-
-        g = self._group(self.primary)
-        if g is None or g.step is None or self._rows is None or not self.stamp_store:
-            return
-        bs = self.block_size
-        for i, r in enumerate(self._rows.reqs):
-            if r is None:
-                continue
-            n = (r.prompt_len - 1) // bs * bs  # what a prefix store keeps of it
-            if r.computed or r.landed_from >= 0 or n <= 0 or r.scheduled < n:
-                continue
-            stamps = g.canary.export_stamps(positions_slots(g.step, i, 0, n, 0))
-            if stamps is not None:
-                stamp_store.save(self.stamp_store, self.book.window([r.req_id], [n], n)[0].tolist(), stamps,
-                                 {n, (r.prompt_len - 2) // bs * bs})
-
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """After the other connectors of a MultiConnector landed their KV: install the stamps that
         travelled with it and verify every landed byte (a torn or wrong load is reported here)."""
         if self._rows is not None and any(r.landed_from >= 0 for r in self._meta.reqs):
-            self.shielded("the landing check", self._landed)
-
-    def _landed(self) -> None:
-        """The primary group installs the stamps that travelled with landed KV and verifies its
-        bytes; the other groups had no stamps stored, so their landed slots become unknown."""
-        from kvcanary import stamp_store
-
-        assert self._rows is not None
-        for i, r in enumerate(self._rows.reqs):
-            if r is None or r.landed_from < 0:
-                continue
-            tokens = self.book.window([r.req_id], [r.computed], r.computed)[0].tolist()
-            stamps = stamp_store.load(self.stamp_store, tokens) if self.stamp_store else None
-            for g in self.groups:
-                if g.step is None:
-                    continue
-                lo = max(r.landed_from, int(g.step.starts()[i]))
-                slots = positions_slots(g.step, i, lo, r.computed, g.plan.block_size)
-                if g.plan.index == self.primary and stamps is not None and lo == r.landed_from:
-                    g.canary.import_stamps(slots, stamps[r.landed_from : r.computed])
-                else:
-                    g.canary.import_stamps(slots, None)
-                self.report([dataclasses.replace(v, request=r.req_id) for v in g.canary.drain()], rank=self.rank)
+            self.shielded("the landing check", vllm_transfer.landed, self)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

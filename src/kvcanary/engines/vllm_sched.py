@@ -1,0 +1,102 @@
+"""The vLLM connector's scheduler side (engine core): what each step ships to the workers.
+
+Per step and scheduled request (:class:`~kvcanary.engines.vllm_steps.ReqStep`): its new committed
+token ids (a token not yet sampled is never guessed), the draft tokens its forward writes
+(speculative decoding), its computed-token count, where rejected drafts were rolled back, and the
+slot of its first new token in the primary KV cache group; per step, the requests that finished,
+the blocks vLLM zeroes and the block copies it makes before the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvcanary.engines.vllm_steps import ReqStep
+
+
+@dataclass
+class CanaryMeta(KVConnectorMetadata):
+    """What the scheduler side sends the workers each step."""
+
+    reqs: list[ReqStep] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    zeroed: list[int] = field(default_factory=list)  # blocks vLLM zeroes before this forward
+    # block copies (source, destination) vLLM makes before this forward (a partial prefix-cache hit
+    # copied to a private block)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """The connector's scheduler-side hooks. The connector sets ``primary`` (the group whose slots
+    match rows to requests) and ``block_size`` (that group's)."""
+
+    primary: int
+    block_size: int
+    _kv_cache_manager: Any
+
+    def __init__(self) -> None:
+        self._reqs: dict[str, Any] = {}  # request id -> vLLM Request
+        self._sent: dict[str, int] = {}  # request id -> tokens already sent to the workers
+        self._end: dict[str, int] = {}  # request id -> computed + scheduled tokens as of its last step
+        self._local: dict[str, int] = {}  # request id -> tokens the local prefix cache had
+        self._finished: list[str] = []
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._reqs[request.request_id] = request
+        self._local[request.request_id] = num_computed_tokens
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._reqs[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """The step's :class:`CanaryMeta`."""
+        so = scheduler_output
+        meta = CanaryMeta(finished=self._finished, zeroed=list(so.new_block_ids_to_zero or []),
+                          copies=[(int(c[0]), int(c[1])) for c in getattr(so, "kv_cache_block_copies", None) or ()])
+        self._finished = []
+        for r in so.scheduled_new_reqs:
+            self._add(meta, so, r.req_id, r.num_computed_tokens, r.block_ids, resumed=True)
+        cached = so.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for i, rid in enumerate(cached.req_ids):
+            blocks = self._kv_cache_manager.get_block_ids(rid) if self._kv_cache_manager is not None else ()
+            self._add(meta, so, rid, cached.num_computed_tokens[i], blocks, resumed=rid in resumed)
+        return meta
+
+    def _add(self, meta: CanaryMeta, so: Any, rid: str, computed: int, block_ids: Any, resumed: bool) -> None:
+        req = self._reqs.get(rid)
+        blocks = block_ids[self.primary] if len(block_ids) > self.primary else []
+        bs = self.block_size
+        if req is None or computed // bs >= len(blocks):
+            return
+        scheduled = int(so.num_scheduled_tokens[rid])
+        drafts = [int(t) for t in (so.scheduled_spec_decode_tokens or {}).get(rid, ())]
+        have = self._sent.get(rid, 0)
+        known = req.all_token_ids
+        upto = min(len(known), computed + scheduled)  # a token not yet sampled is not sent, never guessed
+        tokens = list(known[have:upto]) if upto > have else []
+        self._sent[rid] = max(have, upto)
+        # a running request whose computed count went back (rejected drafts) rewrites those positions
+        end = self._end.get(rid, 0)
+        rollback = end if not resumed and computed < end else 0
+        self._end[rid] = computed + scheduled
+        first = blocks[computed // bs] * bs + computed % bs
+        local = self._local.pop(rid, computed)  # below computed: another connector lands the rest
+        meta.reqs.append(ReqStep(rid, computed, scheduled, first, have, tokens, drafts, rollback,
+                                 landed_from=local if local < computed else -1,
+                                 prompt_len=len(req.prompt_token_ids or [])))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        for d in (self._reqs, self._sent, self._local, self._end):
+            d.pop(rid, None)
+        self._finished.append(rid)
+        return False, None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
