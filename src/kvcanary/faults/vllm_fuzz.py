@@ -115,10 +115,10 @@ def draw(rng: random.Random, seed: int) -> FuzzConfig:
                      tensor_parallel=2 if rng.random() < 0.08 else 1,
                      abort=rng.choice([0, 0, 0, 4]) if max_tokens >= 24 else 0, every_byte=rng.random() < 0.33,
                      seed=seed)
-    if max_tokens > 1 and rng.random() < 0.25:  # a tight pool: preemption
+    if max_tokens > 1 and rng.random() < 0.25:  # a tight pool: preemption (requests outgrow their blocks)
         long = dataclasses.replace(cfg, max_tokens=max(max_tokens, 96), requests=max(cfg.requests, 8), max_seqs=8,
-                                   abort=0)
-        cfg = dataclasses.replace(long, num_blocks=pool_for_preemption(arch, bs, long.max_model_len))
+                                   abort=0, block_size=min(bs, 64), prefix=min(cfg.prefix, 96))
+        cfg = dataclasses.replace(long, num_blocks=pool_for_preemption(arch, long.block_size, long.max_model_len))
     if cfg.max_batched < 2048:
         cfg = dataclasses.replace(cfg, max_batched=max(cfg.max_batched, cfg.spec + 1 + 16))
     return cfg
