@@ -94,7 +94,7 @@ def test_public_names_load_on_first_access():
 
 
 @pytest.mark.parametrize("var, value, message", [
-    ("KVCANARY_MODE", "bogus", "KVCANARY_MODE: expected one of ('off', 'log', 'raise', 'quarantine'), got 'bogus'"),
+    ("KVCANARY_MODE", "bogus", "KVCANARY_MODE: expected one of ('off', 'log', 'raise', 'quarantine', 'repair'), got 'bogus'"),
     ("KVCANARY_RING_CAPACITY", "x", "KVCANARY_RING_CAPACITY: expected an integer, got 'x'"),
     ("KVCANARY_RING_CAPACITY", "0", "KVCANARY_RING_CAPACITY: expected >= 1, got 0"),
     ("KVCANARY_VALIDATE", "maybe", "KVCANARY_VALIDATE: expected one of 1/0/true/false/yes/no/on/off, got 'maybe'"),

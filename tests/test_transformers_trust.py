@@ -213,6 +213,41 @@ def test_quarantine_fails_only_the_readers_and_evicts_the_poisoned_block(llama):
     assert block not in ledger.block_to_hash  # no later request's prefix can match it
 
 
+@pytest.mark.parametrize("fault", ["flip_shared_byte", "redirect_table_entry"])
+def test_repair_computes_the_readers_again_and_every_output_is_a_clean_runs(llama, fault):
+    """A flipped byte in a shared prefix block (every holder read it) and a redirected table entry
+    (one reader): the requests that read corrupted KV are re-queued, their token from bad KV dropped,
+    and every request finishes with exactly the tokens of a clean run; the poisoned bytes are never
+    read again."""
+    ps = prompts(24, seed=6)
+    base, _ = run(llama, ps)
+    f, out, g = faulted(llama, ps, fault, "repair")
+    st = g.stats()
+    assert f.injected_at is not None and g.violations
+    assert not errors(out) and st["requests_failed"] == 0
+    assert st["repairs"] >= len({v.request for v in g.violations if v.request})
+    assert tokens(out) == tokens(base)
+    # nothing read the poisoned bytes after the forward that found them, and the pool is clean now
+    assert {v.step for v in g.violations} == {min(v.step for v in g.violations)}
+    canary = g.groups["full_attention"].canary
+    canary.scrub(torch.arange(canary.num_slots))
+    assert canary.drain() == []
+
+
+def test_repair_fails_a_request_that_recomputing_does_not_heal_after_the_limit(llama):
+    """A block freed while still referenced keeps being handed out again (the allocator itself is
+    wrong): the readers it keeps hurting fail after repair_limit repairs, with the evidence;
+    the requests it never touched finish as in a clean run."""
+    ps = prompts(24, seed=6)
+    base, _ = run(llama, ps)
+    f, out, g = faulted(llama, ps, "free_shared_block", "repair", repair_limit=1)
+    failed = errors(out)
+    assert failed and all("after 1 repairs" in e for e in failed.values()), failed
+    hurt = {v.request for v in g.violations}
+    kept = {k: v for k, v in tokens(out).items() if k not in hurt}
+    assert kept and kept == {k: v for k, v in tokens(base).items() if k in kept}
+
+
 # ---- misuse -------------------------------------------------------------------------------------
 
 def test_nested_protect_is_refused_and_the_outer_guard_keeps_working(llama):

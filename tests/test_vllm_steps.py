@@ -59,8 +59,7 @@ def forward(pool: Pool, book: TokenBook, md: SimpleNamespace, reqs: list[ReqStep
             book.extend(r.req_id, r.start, r.tokens)
     rows = match_rows(md, reqs, book)
     step = build_step(md, rows, BS, window)
-    gone = rolled_back(step, rows, BS)
-    if gone.numel():
+    for _, gone in rolled_back(step, rows, BS):
         pool.canary.release(gone)
     pool.canary.before_forward(step)
     slots, toks, poss = step.new_slots.tolist(), step.new_tokens.tolist(), step.new_positions.tolist()

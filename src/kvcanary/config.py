@@ -13,11 +13,11 @@ from typing import Any, Callable, Literal, Mapping
 
 from kvcanary.errors import ConfigError
 
-Mode = Literal["off", "log", "raise", "quarantine"]
+Mode = Literal["off", "log", "raise", "quarantine", "repair"]
 Backend = Literal["auto", "torch", "fused", "triton"]
 BACKENDS = ("auto", "torch", "fused", "triton")
 Content = Literal["none", "all"]
-MODES = ("off", "log", "raise", "quarantine")
+MODES = ("off", "log", "raise", "quarantine", "repair")
 AUTO_BUDGET = {"cpu": 256 << 10, "cuda": 256 << 20}
 AUTO_PATROL = {"cpu": 64 << 10, "cuda": 64 << 20}
 CONTENTS = ("none", "all")
@@ -31,7 +31,9 @@ class CanaryConfig:
     ----------
     mode : ``off`` (engine untouched), ``log`` (report, never raise), ``raise`` (``poll`` raises),
         ``quarantine`` (report, never raise; engine adapters fail the requests that read corrupted
-        KV and drop the poisoned blocks from the prefix cache, the rest of the batch goes on)
+        KV and drop the poisoned blocks from the prefix cache, the rest of the batch goes on),
+        ``repair`` (as ``quarantine``, but the requests that read corrupted KV are computed again
+        from their first bad block and finish as a clean run would)
     content : ``all`` fingerprints every byte of every layout source; ``none`` checks metadata only
     content_budget_bytes : KV bytes re-fingerprinted per verify: ``"auto"`` (256 KiB on a CPU, 256 MiB on
         a GPU), a number, or ``None`` for every read slot; the window rotates across steps and what it
@@ -53,6 +55,8 @@ class CanaryConfig:
     metrics : keep Prometheus metrics (:mod:`kvcanary.metrics`; needs prometheus-client)
     metrics_port : also serve them over HTTP on this port, one exporter per process (implies
         ``metrics``); ``None``: no exporter of kvcanary's own
+    repair_limit : ``repair`` mode: repairs of one request after which it fails instead (corruption
+        that recomputing does not fix, such as a table pointing at the wrong block, must not loop)
     """
 
     mode: Mode = "log"
@@ -67,6 +71,7 @@ class CanaryConfig:
     violations_log: str | None = None
     metrics: bool = False
     metrics_port: int | None = None
+    repair_limit: int = 2
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -93,6 +98,8 @@ class CanaryConfig:
             raise ConfigError(f"metrics: expected True or False, got {_shown(self.metrics)}")
         if self.metrics_port is not None and not (_is_int(self.metrics_port) and 0 < self.metrics_port < 65536):
             raise ConfigError(f"metrics_port: expected a TCP port in 1 .. 65535 or None, got {_shown(self.metrics_port)}")
+        if not (_is_int(self.repair_limit) and self.repair_limit >= 0):
+            raise ConfigError(f"repair_limit: expected an integer >= 0, got {_shown(self.repair_limit)}")
         if self.validate is not None and not isinstance(self.validate, bool):
             raise ConfigError(f"validate: expected True, False or None, got {_shown(self.validate)}")
 
@@ -184,6 +191,7 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_VIOLATIONS_LOG": ("violations_log", str),
     "KVCANARY_METRICS": ("metrics", _bool),
     "KVCANARY_METRICS_PORT": ("metrics_port", _int),
+    "KVCANARY_REPAIR_LIMIT": ("repair_limit", _int),
 }
 
 # KVCANARY_* variables read elsewhere, which set no CanaryConfig field

@@ -190,7 +190,7 @@ class Adapter:
         self.violations += found
         if self.metrics is not None:
             self.metrics.count(found, self.metric_labels())
-        mode = "log" if self.config.mode == "quarantine" else self.config.mode
+        mode = "log" if self.config.mode in ("quarantine", "repair") else self.config.mode
         try:
             self.internal_errors += report(found, 0, mode, [self.on_violation] if self.on_violation else [],
                                            self.config.violations_log, writer_of=self.writer_of,

@@ -63,7 +63,9 @@ class Protection(Adapter):
     config : canary configuration (default ``CanaryConfig(mode="log")``). ``raise``: the first
         violation stops the engine and ``generate_batch`` raises :class:`KvCorruptionError` in the
         caller's thread; ``quarantine``: the requests that read corrupted KV fail with that error,
-        their poisoned blocks leave the prefix cache, and every other request finishes normally
+        their poisoned blocks leave the prefix cache, and every other request finishes normally;
+        ``repair``: those requests are computed again from the start instead (failing after
+        ``repair_limit`` repairs)
     check_tokens : verify each read slot's token against the request's real token stream
     on_violation : called with every batch of drained violations (request ids filled in)
     """
@@ -141,7 +143,7 @@ class Protection(Adapter):
         if not found:
             return found
         self.report(found)
-        if self.config.mode == "quarantine":
+        if self.config.mode in ("quarantine", "repair"):
             self.quarantine.mark(found)
         return found
 
@@ -175,6 +177,8 @@ class Protection(Adapter):
         out = super().stats()
         out["forwards"] = self.forwards
         out["requests_quarantined"] = len(self.quarantine.failed)
+        out["requests_failed"] = len(self.quarantine.failed)
+        out["repairs"] = self.quarantine.repaired
         return out
 
     def work_context(self) -> Any:

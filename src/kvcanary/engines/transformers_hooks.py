@@ -126,7 +126,7 @@ def _pool_reset(self: Any) -> None:
 
 def _update_batch(self: Any) -> None:
     prot = _by_cache(self.cache.cache_tensor)
-    if prot is None or prot.config.mode != "quarantine":
+    if prot is None or prot.config.mode not in ("quarantine", "repair"):
         return _ORIGINAL["update_batch"](self)  # type: ignore[no-any-return]
     return prot.quarantine.around_update(self, _ORIGINAL["update_batch"])  # type: ignore[no-any-return]
 

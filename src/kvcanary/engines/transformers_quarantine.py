@@ -1,5 +1,12 @@
-"""Quarantine for transformers continuous batching: fail the requests that read corrupted KV,
-keep every other request going, and keep the corrupted blocks out of the prefix cache.
+"""Quarantine and repair for transformers continuous batching: fail (``quarantine``) or compute
+again (``repair``) the requests that read corrupted KV, keep every other request going, and keep
+the corrupted blocks out of the prefix cache.
+
+``repair`` re-queues each request that read corrupted KV as the engine's own soft reset does under
+memory pressure: the token its forward sampled from bad KV is dropped, its blocks are freed without
+entering the prefix cache, and an equivalent request (prompt plus the tokens generated before)
+computes everything again; it finishes with the output a clean run gives. After ``repair_limit``
+repairs of one request (corruption that recomputing does not fix), it fails as in quarantine.
 
 After each forward, the protection's poll hands the drained violations to :meth:`Quarantine.mark`:
 the requests they name are marked to fail, the blocks they name leave the prefix cache, and a
@@ -32,6 +39,10 @@ class Quarantine:
         self.failed: dict[str, KvCorruptionError] = {}
         self.poisoned: dict[str, set[int]] = {}
         self._due: set[str] = set()
+        self.repair = prot.config.mode == "repair"
+        self.repairs: dict[str, int] = {}  # request id -> times it was computed again
+        self.repaired = 0  # repairs made
+        self._redo: set[str] = set()  # requests to compute again at the coming batch update
 
     def mark(self, found: list[Violation]) -> None:
         """Mark the readers named by ``found`` to fail; drop the blocks involved from the prefix cache."""
@@ -47,8 +58,22 @@ class Quarantine:
             if v.checks & Check.CONTENT:  # its bytes are bad: every holder reads them
                 self.poisoned.setdefault(g.name, set()).add(block)
         for rid, vs in by_rid.items():
-            self.failed.setdefault(rid, KvCorruptionError(vs))
-            self._due.add(rid)
+            self._hurt(rid, KvCorruptionError(vs))
+
+    def _hurt(self, rid: str, err: KvCorruptionError) -> None:
+        """Request ``rid`` read corrupted KV: compute it again (repair, within the limit) or fail it."""
+        if rid in self.failed:
+            return
+        if self.repair and self.repairs.get(rid, 0) < self.prot.config.repair_limit:
+            if rid not in self._redo:
+                self.repairs[rid] = self.repairs.get(rid, 0) + 1
+                self._redo.add(rid)
+            return
+        if self.repair:
+            err = KvCorruptionError(err.violations, message=f"request {rid} read corrupted KV again after "
+                                    f"{self.prot.config.repair_limit} repairs: {err}")
+        self.failed[rid] = err
+        self._due.add(rid)
 
     def freed(self, group: str, blocks: list[int]) -> None:
         """The engine freed ``blocks``: their next owner writes them anew."""
@@ -61,27 +86,32 @@ class Quarantine:
             if g is None or not blocks:
                 continue
             for rid, table in g.allocator.block_table.items():
-                if rid not in self.failed and not blocks.isdisjoint(table):
-                    self.failed[rid] = KvCorruptionError([], message=(
+                if rid not in self.failed and rid not in self._redo and not blocks.isdisjoint(table):
+                    self._hurt(rid, KvCorruptionError([], message=(
                         f"request {rid} holds KV block(s) {sorted(blocks.intersection(table))} of group {name} "
-                        f"whose bytes changed after they were written"))
-                    self._due.add(rid)
+                        f"whose bytes changed after they were written")))
         out = {rid: self.failed[rid] for rid in self._due}
         self._due.clear()
         return out
 
     def around_update(self, processor: Any, update: Callable[[Any], None]) -> None:
         """Run the engine's batch update with the results of marked requests held back, then fail
-        the requests that are due."""
+        the requests that are due and compute again the ones to repair."""
         from transformers.generation.continuous_batching.requests import RequestStatus
 
+        sched = processor.scheduler
+        due = self.due()  # the marked readers, and every live holder of a poisoned block: its forward read it
+        # the requests to repair as they were before this update (it may add a token from bad KV)
+        before = {rid: (st, len(st.generated_tokens)) for rid in self._redo
+                  if (st := sched.active_requests.get(rid) or sched.waiting_requests.get(rid)) is not None}
         router = processor.output_router
         kept: dict[str, Any] = {}
         deliver, deliver_batch = router.deliver, router.deliver_batch
 
         def hold(outs: list) -> list:
-            kept.update((o.request_id, o) for o in outs if o.request_id in self.failed)
-            return [o for o in outs if o.request_id not in self.failed]
+            held = self.failed.keys() | self._redo
+            kept.update((o.request_id, o) for o in outs if o.request_id in held)
+            return [o for o in outs if o.request_id not in held]
 
         router.deliver = lambda out: [deliver(o) for o in hold([out])]
         router.deliver_batch = lambda outs: deliver_batch(hold(outs))
@@ -89,12 +119,38 @@ class Quarantine:
             update(processor)
         finally:
             router.deliver, router.deliver_batch = deliver, deliver_batch
-        due = self.due()
         for rid, out in kept.items():  # finished in this update: its result is replaced by the failure
-            if rid in due and rid not in processor.scheduler.active_requests:
+            if rid in due and rid not in sched.active_requests:
                 out.status, out.error = RequestStatus.FAILED, str(due[rid])
                 deliver(out)
         fail_requests(processor, due)
+        redo, self._redo = self._redo, set()
+        for rid in redo:
+            if rid in before:
+                requeue(processor, *before[rid])
+                self.repaired += 1
+
+
+def requeue(processor: Any, state: Any, generated: int) -> None:
+    """Compute ``state``'s request again from the start, as the engine's soft reset does: its
+    tokens after the first ``generated`` (sampled from bad KV) are dropped, its blocks are freed
+    without entering the prefix cache, an equivalent request waits to be scheduled."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    rid = state.request_id
+    del state.generated_tokens[generated:]
+    if state.logprobs is not None and len(state.logprobs) > generated:
+        del state.logprobs[generated:]
+    new_state = state.create_equivalent_initial_request()
+    state._status = RequestStatus.FINISHED  # bypasses the setter's lifespan bookkeeping, as the soft reset does
+    processor.cache.free_blocks(rid, no_cache=True)
+    sched = processor.scheduler
+    sched.finish_request(rid)
+    if rid in sched.waiting_requests:
+        sched.waiting_requests.pop(rid)
+        if rid in sched.waiting_requests_order:
+            sched.waiting_requests_order.remove(rid)
+    sched.add_waiting_request(new_state)
 
 
 def drop_from_prefix_cache(allocator: Any, block: int) -> None:

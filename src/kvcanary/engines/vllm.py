@@ -44,10 +44,11 @@ from kvcanary import layouts
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.base import Adapter
-from kvcanary.engines import vllm_transfer
+from kvcanary.engines import vllm_heal, vllm_transfer
 from kvcanary.engines.vllm_groups import GroupPlan, plan_groups, single_group
 from kvcanary.engines.vllm_sched import CanaryMeta, SchedulerSide
-from kvcanary.engines.vllm_steps import ReqStep, Rows, block_slots, build_step, match_rows, rolled_back
+from kvcanary.engines.vllm_steps import (ReqStep, Rows, block_slots, build_step, match_rows, rolled_back,
+                                         written_by)
 from kvcanary.errors import UnsupportedError
 from kvcanary.step import Step
 from kvcanary.violations import Site, Violation
@@ -74,14 +75,27 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
-        Adapter.__init__(self, CanaryConfig.from_env(CanaryConfig(mode="log")))
+        extra = dict(getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {})
+        config = CanaryConfig.from_env(CanaryConfig(mode="log"))
+        if "mode" in extra:  # the mode beside the policy, in the same --kv-transfer-config
+            config = dataclasses.replace(config, mode=extra["mode"])
+        vllm_heal.check_policy(config.mode, self._kv_transfer_config)
+        Adapter.__init__(self, config)
         bs = int(vllm_config.cache_config.block_size)
         self.plans: list[GroupPlan] | None = plan_groups(kv_cache_config, vllm_config) if kv_cache_config else None
         covered = [p for p in self.plans or [] if p.covered]
         # the group whose first-new-token slots match the worker's rows to the scheduler's requests
         self.primary = covered[0].index if covered else 0
         self.block_size = covered[0].block_size if covered else bs
-        extra = dict(getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {})
+        # healing: vLLM takes bad block ids from a model with one KV cache group only
+        self.ship_blocks = config.mode in vllm_heal.HEAL_MODES
+        block_level = len(self.plans or [None]) == 1
+        self.heal = vllm_heal.WorkerHeal(config.mode, config.repair_limit, block_level)
+        self.sched_heal = vllm_heal.SchedulerHeal()
+        if self.ship_blocks and not block_level and role == KVConnectorRole.SCHEDULER:
+            log.warning("kvcanary: this model has %d KV cache groups, and vLLM recomputes or fails requests by bad "
+                        "block only with one; requests that read corrupted KV are failed one step later instead%s",
+                        len(self.plans or []), " (mode 'repair' cannot recompute them)" if config.mode == "repair" else "")
         self.stamp_store: str | None = extra.get("stamp_store") or os.environ.get("KVCANARY_STAMP_STORE")
         self.rank = _rank()
         SchedulerSide.__init__(self)
@@ -186,6 +200,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         for rid in meta.finished:
             self.book.forget(rid)
             self._seen.discard(rid)
+            self.heal.forget(rid)
         for r in meta.reqs:
             if r.tokens:
                 self.book.extend(r.req_id, r.start, r.tokens)
@@ -212,9 +227,10 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
             self._release_other_groups(live)
         for g in live:
             assert g.step is not None
-            gone = rolled_back(g.step, rows, g.plan.block_size)
-            if gone.numel():
-                g.canary.release(gone)
+            for i, slots in rolled_back(g.step, rows, g.plan.block_size):
+                gone = written_by(slots, g.canary.writers, self._history, rows.rids[i])
+                if gone.numel():
+                    g.canary.release(gone)
         self._verify_first_reads(live, rows)
         for g in live:
             assert g.step is not None
@@ -271,10 +287,44 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
             found += [dataclasses.replace(self._first_reader(g.name, v) if v.site == Site.FIRST_READ
                                           else _named(v, rows.rids), group=group) for v in g.canary.drain()]
         self.forwards += 1
-        self.report(found, rank=self.rank)
+        self.report_and_heal(found)
         self.publish_metrics()
         if self.stamp_store:
             vllm_transfer.store(self)
+
+    def report_and_heal(self, found: list[Violation]) -> None:
+        """Hand a forward's violations to healing (``quarantine``, ``repair``), then report them."""
+        if self.ship_blocks and found and self._rows is not None:
+            g = self._group(self.primary)
+            if g is not None:
+                reqs = {r.req_id: r for r in self._rows.reqs if r is not None}
+                self.heal.forward(found, reqs, g.plan.block_size, g.canary.num_slots)
+                poisoned = self.heal.take_release()
+                if poisoned:
+                    g.canary.release(block_slots(poisoned, g.plan.block_size))
+        self.report(found, rank=self.rank)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The bad blocks of this forward (healing modes, one KV cache group): vLLM drops the forward's
+        output for every request whose computed blocks hold one, then recomputes or fails them."""
+        return self.heal.take_invalid()
+
+    def build_connector_worker_meta(self) -> vllm_heal.HealReport | None:
+        """Requests to fail and blocks to evict, for the scheduler side (healing modes)."""
+        return self.heal.take_report()
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.ship_blocks:
+            self.sched_heal.bind()
+            if self.sched_heal.scheduler is None and (self.config.mode == "repair" or not self.heal.block_level):
+                raise UnsupportedError(f"kvcanary mode {self.config.mode!r}: this vLLM's scheduler was not found, so "
+                                       "requests that keep reading corrupted KV could not be failed")
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, vllm_heal.HealReport):
+            self.sched_heal.apply(meta, self._kv_cache_manager)
 
     def _first_reader(self, name: str, v: Violation) -> Violation:
         rid = self.first_reader(name, v)
@@ -298,6 +348,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         plans = self.plans or []
         out["kv_cache_groups"] = len(plans) or len(self.groups)
         out["kv_cache_groups_covered"] = len(self.groups)
+        out.update(self.heal.counts)
         return out
 
     def recover(self) -> None:

@@ -31,10 +31,12 @@ class CanaryMeta(KVConnectorMetadata):
 
 class SchedulerSide:
     """The connector's scheduler-side hooks. The connector sets ``primary`` (the group whose slots
-    match rows to requests) and ``block_size`` (that group's)."""
+    match rows to requests), ``block_size`` (that group's) and ``ship_blocks`` (a healing mode: each
+    request's blocks travel with its step)."""
 
     primary: int
     block_size: int
+    ship_blocks: bool
     _kv_cache_manager: Any
 
     def __init__(self) -> None:
@@ -86,9 +88,23 @@ class SchedulerSide:
         self._end[rid] = computed + scheduled
         first = blocks[computed // bs] * bs + computed % bs
         local = self._local.pop(rid, computed)  # below computed: another connector lands the rest
-        meta.reqs.append(ReqStep(rid, computed, scheduled, first, have, tokens, drafts, rollback,
-                                 landed_from=local if local < computed else -1,
-                                 prompt_len=len(req.prompt_token_ids or [])))
+        rs = ReqStep(rid, computed, scheduled, first, have, tokens, drafts, rollback,
+                     landed_from=local if local < computed else -1, prompt_len=len(req.prompt_token_ids or []))
+        if self.ship_blocks:
+            rs.blocks = list(blocks[: -(-computed // bs)])
+            rs.private_from = self._private_from(rs.blocks)
+        meta.reqs.append(rs)
+
+    def _private_from(self, blocks: list[int]) -> int:
+        """The index of the first of ``blocks`` that no other request holds (shared blocks come first:
+        a request shares a prefix)."""
+        pool = getattr(self._kv_cache_manager, "block_pool", None)
+        if pool is None:
+            return len(blocks)
+        j = len(blocks)
+        while j > 0 and pool.blocks[blocks[j - 1]].ref_cnt <= 1:
+            j -= 1
+        return j
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id

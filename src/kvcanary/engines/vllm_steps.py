@@ -38,6 +38,10 @@ class ReqStep:
     rollback: int = 0
     landed_from: int = -1  # another connector lands positions [landed_from, computed) this step
     prompt_len: int = 0
+    # healing modes only: the scheduler's primary-group blocks of the computed positions, and the
+    # index of the first of them no other request holds
+    blocks: list[int] = field(default_factory=list)
+    private_from: int = 0
 
 
 @dataclass
@@ -117,13 +121,30 @@ def positions_slots(step: Step, row: int, lo: int, hi: int, block_size: int) -> 
     return slots[slots >= block_size]
 
 
-def rolled_back(step: Step, rows: Rows, block_size: int) -> torch.Tensor:
-    """Slots of this forward's rows that held rejected drafts (positions ``[computed, rollback)``
-    of each row whose request rolled back): to be released before the forward, so that a read of
-    one before it is written again is reported."""
-    parts = [positions_slots(step, i, x.computed, x.rollback, block_size)
-             for i, x in enumerate(rows.reqs) if x is not None and x.rollback > x.computed]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+def rolled_back(step: Step, rows: Rows, block_size: int) -> list[tuple[int, torch.Tensor]]:
+    """Per row whose request rolled back (rejected drafts, or a recompute from an earlier block):
+    the row and the slots of its positions ``[computed, rollback)`` in ``step``'s table, to be
+    released before the forward, so that a read of one before it is written again is reported."""
+    return [(i, positions_slots(step, i, x.computed, x.rollback, block_size))
+            for i, x in enumerate(rows.reqs) if x is not None and x.rollback > x.computed]
+
+
+def written_by(slots: torch.Tensor, writers: torch.Tensor, history: dict[int, list[str]], rid: str) -> torch.Tensor:
+    """The ``slots`` whose last writer (``writers``: a canary's ``[num_slots + 1, 2]`` step and row
+    record) was request ``rid`` (``history``: each remembered step's rows' request ids). A table
+    that points elsewhere must not release another request's stamps."""
+    if not slots.numel():
+        return slots
+    w = writers[slots]
+    keep = torch.zeros(slots.shape[0], dtype=torch.bool)
+    for step in torch.unique(w[:, 0]).tolist():
+        rids = history.get(int(step))
+        if rids is None:
+            continue
+        mine = torch.tensor([r == rid for r in rids] + [False], dtype=torch.bool)
+        at = w[:, 0] == step
+        keep |= at & mine[w[:, 1].clamp(0, len(rids))]
+    return slots[keep]
 
 
 def block_slots(blocks: list[int], block_size: int) -> torch.Tensor:

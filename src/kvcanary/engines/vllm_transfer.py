@@ -54,4 +54,4 @@ def landed(conn: KvCanaryConnector) -> None:
                 g.canary.import_stamps(slots, stamps[r.landed_from : r.computed])
             else:
                 g.canary.import_stamps(slots, None)
-            conn.report([dataclasses.replace(v, request=r.req_id) for v in g.canary.drain()], rank=conn.rank)
+            conn.report_and_heal([dataclasses.replace(v, request=r.req_id) for v in g.canary.drain()])

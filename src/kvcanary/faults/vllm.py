@@ -15,7 +15,11 @@ forward (each fires once, at the ``at``-th forward or the first later one where 
 - ``keep_rejected_drafts``: after speculative decoding rejected drafts, the engine keeps their KV
   as part of the sequence instead of rolling back (the next forward reads them as context);
 - ``rollback_one_short``: after a rejection the engine rolls back one slot too few (the next forward
-  reads the first rejected draft's KV as context).
+  reads the first rejected draft's KV as context);
+- ``redirect_stuck``: as ``redirect``, but the entry stays wrong in every later forward of that
+  request (a corrupted table, which recomputing the request's KV does not fix);
+- ``flip_cold``: one bit of a cached block that no request of the forward holds flips (cold prefix
+  cache, found by the patrol scrub before a later prefix hit would serve it).
 
 The two speculative-decoding faults need a forward after a rejection (ngram drafting on a
 repetitive prompt); the others a forward whose rows share cached blocks.
@@ -40,7 +44,8 @@ class VllmFault:
 
 
 def install(name: str, at: int = 3, seed: int = 0) -> VllmFault:
-    """Wrap the connector's ``bind_connector_metadata`` so that ``name`` is injected once."""
+    """Wrap the connector's ``bind_connector_metadata`` so that ``name`` is injected once (a
+    persistent fault, :data:`PERSISTENT`, is applied again in every later forward)."""
     from vllm.forward_context import get_forward_context
 
     from kvcanary.engines.vllm import KvCanaryConnector
@@ -55,6 +60,8 @@ def install(name: str, at: int = 3, seed: int = 0) -> VllmFault:
             if INJECTORS[name](self, md, meta, random.Random(seed), fault.detail):
                 fault.injected_at = fault.forwards
                 fault.detail["step"] = self.canary.step_id if self.canary is not None else None
+        elif md is not None and fault.injected_at is not None and name in PERSISTENT:
+            PERSISTENT[name](md, meta, fault.detail)
         fault.forwards += 1
         orig(self, meta)
 
@@ -208,6 +215,38 @@ def _kept_drafts(keep_all: bool) -> Any:
     return inject
 
 
+def _redirect_again(md: Any, meta: Any, detail: dict) -> None:
+    """Keep the redirected entry wrong in each later forward of the request (while it reads it)."""
+    bs = int(detail.get("block_size", 0))
+    for row, (rid, cached, _) in enumerate(_rows(md, meta, bs) if bs else []):
+        if rid == detail["request"] and detail["block_index"] < cached // bs:
+            md.block_table[row, detail["block_index"]] = detail["now"]
+
+
+def redirect_stuck(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    detail["block_size"] = conn.block_size
+    return redirect(conn, md, meta, rng, detail)
+
+
+def flip_cold(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    bs = conn.block_size
+    held = {b for _, _, blocks in _rows(md, meta, bs) for b in blocks} | set(md.block_table.flatten().tolist())
+    stamped = conn.canary.stamps[:, 1] >= 0
+    cold = [b for b in range(1, conn.canary.num_slots // bs) if b not in held and bool(stamped[b * bs : (b + 1) * bs].all())]
+    if not cold:
+        return False
+    block = rng.choice(cold)
+    layer = rng.choice(conn.fault_layers())
+    kv = conn.kv_caches[layer]
+    t = rng.randrange(bs)
+    flat, off = _element(conn, layer, block, rng.randrange(kv.shape[1]), t, rng.randrange(kv.shape[3] // 2), "k")
+    flat[off] ^= 1 << rng.randrange(8)
+    detail.update(block=block, slot=block * bs + t, layer=layer)
+    return True
+
+
+PERSISTENT = {"redirect_stuck": _redirect_again}  # faults applied again in every later forward
 INJECTORS = {"flip_k": _flip("k"), "flip_v": _flip("v"), "redirect": redirect, "reuse": reuse, "zero": zero,
              "flip_first_read": flip_first_read, "write_null_block": write_null_block,
-             "keep_rejected_drafts": _kept_drafts(True), "rollback_one_short": _kept_drafts(False)}
+             "keep_rejected_drafts": _kept_drafts(True), "rollback_one_short": _kept_drafts(False),
+             "redirect_stuck": redirect_stuck, "flip_cold": flip_cold}

@@ -143,6 +143,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     aborted after that many steps, then the rest join).
 
     Returns ``tokens`` (request id, with ``/j`` for the j-th of ``n`` samples -> generated ids),
+    ``finish`` (the same keys -> vLLM's finish reason: ``length``, ``stop``, ``error``...),
     ``events`` (:data:`kvcanary.faults.vllm_events.EVENTS` counted during the run; ``preemptions``
     is also at the top level), ``kv_cache`` (the engine's KV cache groups and blocks, in-process
     engines), ``generate_s`` (the timed generate call), ``tokens_generated``, ``threads`` (torch's
@@ -193,9 +194,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         outs, wall = generate(cfg.get("requests", 12), seed)
     tokens = {o.request_id if len(o.outputs) == 1 else f"{o.request_id}/{j}": list(c.token_ids)
               for o in outs for j, c in enumerate(o.outputs)}
+    finish = {o.request_id if len(o.outputs) == 1 else f"{o.request_id}/{j}": c.finish_reason
+              for o in outs for j, c in enumerate(o.outputs)}
     if events_file is not None:
         events = vllm_events.collect(events_file)
-    out: dict[str, Any] = {"tokens": tokens, "events": dict(events), "preemptions": events["preemptions"],
+    out: dict[str, Any] = {"tokens": tokens, "finish": finish, "events": dict(events), "preemptions": events["preemptions"],
                            "kv_cache": vllm_events.kv_cache_layout(llm), "generate_s": wall,
                            "tokens_generated": sum(len(t) for t in tokens.values()),
                            "threads": torch.get_num_threads()}
