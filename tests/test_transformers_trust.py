@@ -224,7 +224,7 @@ def test_repair_computes_the_readers_again_and_every_output_is_a_clean_runs(llam
     f, out, g = faulted(llama, ps, fault, "repair")
     st = g.stats()
     assert f.injected_at is not None and g.violations
-    assert not errors(out) and st["requests_failed"] == 0
+    assert not errors(out) and st["requests_failed"] == 0 and st["harmful_tokens"] == 0
     assert st["repairs"] >= len({v.request for v in g.violations if v.request})
     assert tokens(out) == tokens(base)
     # nothing read the poisoned bytes after the forward that found them, and the pool is clean now

@@ -41,6 +41,7 @@ def test_repair_recomputes_the_readers_of_a_flipped_shared_block(tiny_llama, cle
     run = healed(tiny_llama, "repair", "flip_v")
     st = run["stats"]
     assert run["violations"] and st["repairs"] >= 2 and st["requests_failed"] == 0
+    assert st["harmful_tokens"] == 0  # every read byte verified: found before any forward sampled from it
     assert set(run["finish"].values()) == {"length"}
     same_as_clean(run, clean)  # the readers included: their output is a clean run's
 

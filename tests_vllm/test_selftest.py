@@ -49,6 +49,7 @@ def test_selftest_vllm_fault_is_detected_in_time(matrix, fault):
     assert row["status"] == "ok" and row["runs"] == row["detected"] == 1, row["failures"]
     assert row["checks_fired"] and set(row["checks_fired"]) <= VLLM_FAULTS[fault], row
     assert 1 <= row["forwards_max"] <= row["deadline"], row
+    assert row["harmful_tokens_max"] is not None  # log mode: the tokens sampled from corrupted KV, counted
     if fault in SITES:  # the first-read check (no content window, no patrol) and the null block's guard
         assert all(SITES[fault] in (f or "") for f in row["first_detections"]), row
 

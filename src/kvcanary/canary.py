@@ -16,6 +16,7 @@ from kvcanary import checks, eventlog, ops
 from kvcanary.config import CanaryConfig
 from kvcanary.diagnosis import annotate
 from kvcanary.errors import ConfigError, KvCanaryError, KvCorruptionError, LayoutError, StepError, UnsupportedError
+from kvcanary.harm import CheckLedger
 from kvcanary.layout import KvLayout
 from kvcanary.step import Step
 from kvcanary.violations import F_STEP, Check, Counter, Site, Violation, ViolationRing, append_rows, events
@@ -152,6 +153,9 @@ class Canary:
         self.disabled = False  # set when even forgetting every stamp failed: nothing is checked after
         self.unknown_possible = False  # some slot may be unknown: stamping seeds such rows from the prefix
         self.history: collections.deque[Violation] = collections.deque(maxlen=self.config.history)
+        # the forward each slot's bytes were last fingerprinted (CPU pools with content: the harm count)
+        self.ledger = (CheckLedger(num_slots, every_read=self.content_slots is None)
+                       if self.device.type == "cpu" and self.layout.sources else None)
         self.callbacks = list(on_violation)
 
     def _resolve_backend(self) -> str:
@@ -313,8 +317,18 @@ class Canary:
         self._verify(step, ops.BEFORE_WRITES)
 
     def _verify(self, step: Step, part: int) -> None:
+        window = None
+        if self.ledger is not None and self.content_slots:  # the slots whose bytes this verify checks
+            window = CheckLedger.window(step, part, int(self.cursor.numpy()[0]), self.content_slots)
         self._ops["verify"](self.stamps, self._table, step, self.ring.counters, self.cursor, self.content_slots,
                             self.ring.rows, part)
+        if window is not None:
+            self.ledger.mark(window, self.forwards)  # type: ignore[union-attr]
+
+    def _checked(self, slots: torch.Tensor) -> None:
+        """``slots``' bytes were fingerprinted now (for the harm count's ledger)."""
+        if self.ledger is not None:
+            self.ledger.mark(slots, self.forwards)
 
     @_guarded(_forget_written)
     def after_forward(self, step: Step, padding_slots: torch.Tensor | None = None) -> None:
@@ -332,6 +346,7 @@ class Canary:
         self._prepare(step)
         self._stamp(step, self.ring.counters, self.ring.rows)
         self._note_writers(step)
+        self._checked(step.new_slots.long())
         if padding_slots is not None:
             self._check_padding(padding_slots)
         wf = step.written_from
@@ -434,6 +449,7 @@ class Canary:
         else:
             slots = self._slots_arg("slots", slots)
         self._ops["scrub"](self.stamps, self._table, slots, self.ring.counters, self.ring.rows, Site.SCRUB)
+        self._checked(slots)
 
     @_guarded()
     def first_read(self, slots: torch.Tensor) -> None:
@@ -442,8 +458,9 @@ class Canary:
         content window says, their bytes are verified before that read (site ``first_read``). Blocks
         restored from another tier or copied by a fork are verified as they land
         (:meth:`import_stamps`)."""
-        self._ops["scrub"](self.stamps, self._table, self._slots_arg("slots", slots), self.ring.counters,
-                           self.ring.rows, Site.FIRST_READ)
+        slots = self._slots_arg("slots", slots)
+        self._ops["scrub"](self.stamps, self._table, slots, self.ring.counters, self.ring.rows, Site.FIRST_READ)
+        self._checked(slots)
 
     @_guarded()
     def patrol(self) -> None:
@@ -452,8 +469,9 @@ class Canary:
         are re-fingerprinted, so KV that no request reads is re-verified at least once every
         ``patrol_pass_steps`` forwards (:meth:`stats`). Nothing without a content layout."""
         if self.patrol_slots:
-            self._ops["scrub"](self.stamps, self._table, self._next_patrol(self.patrol_slots), self.ring.counters,
-                               self.ring.rows, Site.SCRUB)
+            slots = self._next_patrol(self.patrol_slots)
+            self._ops["scrub"](self.stamps, self._table, slots, self.ring.counters, self.ring.rows, Site.SCRUB)
+            self._checked(slots)
 
     @_guarded()
     def guard(self) -> None:
@@ -551,6 +569,7 @@ class Canary:
             self.unknown_possible = bool((stamps[:, checks.POSITION] == checks.UNKNOWN_POS).any())
         self.stamps[slots] = stamps
         self._ops["scrub"](self.stamps, self._table, slots, self.ring.counters, self.ring.rows, Site.TRANSFER)
+        self._checked(slots)
 
     # ---- reporting ----------------------------------------------------------------------------
 

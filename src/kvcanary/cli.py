@@ -310,7 +310,8 @@ def _selftest(args: argparse.Namespace) -> int:
     for r in rows:
         det = f"{r['detected']}/{r['runs']}" if r["runs"] else "-"
         fwd_s = "-" if r["forwards_max"] is None else str(r["forwards_max"])
-        harm = "-" if r.get("harmful_reads_max") is None else str(r["harmful_reads_max"])
+        harm = ("-" if r.get("harmful_reads_max") is None else str(r["harmful_reads_max"])) if r.get(
+            "harmful_tokens_max") is None else f"{r['harmful_tokens_max']}t"  # vLLM rows: tokens
         fired = ",".join(r["checks_fired"]) or (str(r.get("why", "")) if r["status"] == "miss" else "")  # type: ignore[arg-type]
         zoo = ",".join(r["zoo"])  # type: ignore[arg-type]
         mark = "" if r["status"] in ("ok", "miss") else "   <-- FAIL"
@@ -395,6 +396,7 @@ def _row(fault: str, zoo: Sequence[str], expected: str, engine: str, deadline: i
     """One matrix row: a fault's runs (``FaultResult``) on one engine."""
     fwd = [r.forwards_to_detect for r in results if r.forwards_to_detect is not None]
     harm = [r.harmful_reads for r in results if getattr(r, "harmful_reads", None) is not None]
+    tokens = [r.harmful_tokens for r in results if getattr(r, "harmful_tokens", None) is not None]
     good = all(r.ok for r in results)
     return {
         "fault": fault, "zoo": list(zoo), "expected": expected, "engine": engine,
@@ -402,6 +404,7 @@ def _row(fault: str, zoo: Sequence[str], expected: str, engine: str, deadline: i
         "checks_fired": sorted({c for r in results for c in r.checks_fired}),
         "forwards_max": max(fwd) if fwd else None, "deadline": deadline,
         "harmful_reads_max": max(harm) if harm else None,
+        "harmful_tokens_max": max(tokens) if tokens else None,
         "first_detections": [r.first for r in results],
         "details": [r.detail for r in results],
         "status": "ok" if good else "FAIL",
@@ -479,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--html", metavar="OUT", help="also write a one-page HTML report to OUT")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     r.set_defaults(fn=_report_cmd)
+    m = sub.add_parser("monitoring", help="where the Prometheus alerting rules and the Grafana dashboard are",
+                       description="Print the paths of the Prometheus alerting rules and the Grafana dashboard shipped "
+                       "with kvcanary (or copy them to a directory).", **kw)
+    m.add_argument("--copy", metavar="DIR", help="copy both files into DIR")
+    m.set_defaults(fn=_monitoring)
     w = sub.add_parser("warmup", help="compile the fused CPU loops into their cache (once per machine)",
                        description="Compile (or load, when cached) every compiled CPU loop the canary and the "
                        "engine adapters use, into kvcanary's cache directory ($KVCANARY_CACHE_DIR, else "
@@ -512,6 +520,22 @@ def _warmup(args: argparse.Namespace) -> int:
         print(f"cached in {at} ({took:.1f} s): {made} loops compiled" + (f", {loaded} loaded" if loaded else ""))
     else:
         print(f"already cached in {at}: {loaded} loops loaded ({took:.1f} s)")
+    return 0
+
+
+def _monitoring(args: argparse.Namespace) -> int:
+    from kvcanary import monitoring
+
+    if args.copy:
+        try:
+            paths = monitoring.copy(args.copy)
+        except OSError as e:
+            print(f"kvcanary monitoring: cannot copy into {args.copy!r}: {e}", file=sys.stderr)
+            return 2
+    else:
+        paths = [monitoring.RULES, monitoring.DASHBOARD]
+    print(f"alerting rules (prometheus.yml: rule_files): {paths[0]}")
+    print(f"Grafana dashboard (import as JSON; pick the Prometheus data source): {paths[1]}")
     return 0
 
 

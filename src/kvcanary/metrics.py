@@ -52,6 +52,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "internal_errors": ("kvcanary_internal_errors", "Failures of the canary's own (counted, not raised)"),
     "violations_lost": ("kvcanary_violations_lost", "Violation records overwritten before they were drained"),
     "guard_checks": ("kvcanary_guard_checks", "Guard slots (reserved, or where a stray padding write lands) checked"),
+    "repairs": ("kvcanary_repairs", "Requests computed again because they read corrupted KV (repair mode)"),
+    "requests_failed": ("kvcanary_requests_failed", "Requests failed because they read corrupted KV"),
+    "blocks_evicted": ("kvcanary_blocks_evicted", "Blocks dropped from the prefix cache because their bytes changed"),
+    "harmful_tokens": ("kvcanary_harmful_tokens", "Tokens sampled from corrupted KV before the canary reported it "
+                       "(an upper bound; kvcanary.harm)"),
 }
 
 
@@ -98,8 +103,9 @@ class Metrics:
             seen = self._seen.setdefault(source, {})
             for k, c in self.counters.items():
                 v = int(stats.get(k, 0))
+                child = c.labels(*key)  # exported from the first update on, at 0: alerts see its first rise
                 if v > seen.get(k, 0):
-                    c.labels(*key).inc(v - seen.get(k, 0))
+                    child.inc(v - seen.get(k, 0))
                 seen[k] = max(v, seen.get(k, 0))
             read = stats.get("slots_verified", 0)
             if read:

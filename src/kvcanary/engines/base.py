@@ -28,6 +28,7 @@ from kvcanary.canary import Canary, report
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.token_book import TokenBook
 from kvcanary.errors import KvCorruptionError
+from kvcanary.harm import HarmCounter
 from kvcanary.metrics import Metrics, process_metrics, serve
 from kvcanary.step import Step
 from kvcanary.violations import Violation
@@ -57,6 +58,7 @@ class Adapter:
         self.internal_errors = 0
         self.seconds = 0.0
         self.pending: BaseException | None = None
+        self.harm = HarmCounter()  # tokens sampled from corrupted KV before a report (kvcanary.harm)
         self.metrics: Metrics | None = None
         if config.metrics or config.metrics_port is not None:
             self.metrics = process_metrics()  # a clear error here when prometheus-client is missing
@@ -108,6 +110,20 @@ class Adapter:
         """The adapter's canaries by the name of what each watches (a layer group, a pool)."""
         return {str(i): c for i, c in enumerate(self.canaries())}
 
+    def count_harm(self, found: list[Violation], healed: bool) -> int:
+        """Add the tokens sampled from the KV these violations report, before the report (and in the
+        reporting forward unless ``healed``: its output was dropped); :mod:`kvcanary.harm`."""
+        named = self.named_canaries()
+        ledgers: dict[str | None, Any] = {name: c.ledger for name, c in named.items()}
+        if len(named) == 1:
+            ledgers[None] = next(iter(named.values())).ledger
+        return self.harm.count(found, ledgers, healed)
+
+    def heal_counts(self) -> dict[str, int]:
+        """The adapter's healing counters (requests repaired and failed, blocks evicted, harmful
+        tokens), published with its first canary's metrics."""
+        return {"harmful_tokens": self.harm.harmful}
+
     def request_at(self, step: int, row: int) -> str | None:
         """The request behind row ``row`` of canary step ``step``, while the adapter remembers it."""
         return None
@@ -143,8 +159,9 @@ class Adapter:
         labels = self.metric_labels()
         for i, (name, c) in enumerate(self.named_canaries().items()):
             st = c.stats()
-            if i == 0:  # the adapter's own failures, counted once
+            if i == 0:  # the adapter's own failures and healing, counted once
                 st["internal_errors"] = st.get("internal_errors", 0) + self.internal_errors
+                st.update(self.heal_counts())
             self.metrics.publish(c, st, {**labels, "group": name})
 
     def work_context(self) -> ContextManager[Any]:
@@ -214,6 +231,7 @@ class Adapter:
             for k, v in c.stats().items():
                 out[k] = max(out.get(k, 0), v) if k in WORST_OF else out.get(k, 0) + v
         out["internal_errors"] = out.get("internal_errors", 0) + self.internal_errors
+        out.update(self.heal_counts())
         out["canary_us"] = int(self.seconds * 1e6)
         return out
 

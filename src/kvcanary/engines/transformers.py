@@ -142,6 +142,7 @@ class Protection(Adapter):
                 found.append(dataclasses.replace(v, request=rid, group=name))
         if not found:
             return found
+        self.count_harm(found, healed=self.config.mode in ("quarantine", "repair"))
         self.report(found)
         if self.config.mode in ("quarantine", "repair"):
             self.quarantine.mark(found)
@@ -170,6 +171,10 @@ class Protection(Adapter):
     def canaries(self) -> list[Any]:
         return [g.canary for g in self.groups.values()]
 
+    def heal_counts(self) -> dict[str, int]:
+        return {**super().heal_counts(), "requests_failed": len(self.quarantine.failed),
+                "repairs": self.quarantine.repaired}
+
     def named_canaries(self) -> dict[str, Any]:
         return {name: g.canary for name, g in self.groups.items()}
 
@@ -177,8 +182,6 @@ class Protection(Adapter):
         out = super().stats()
         out["forwards"] = self.forwards
         out["requests_quarantined"] = len(self.quarantine.failed)
-        out["requests_failed"] = len(self.quarantine.failed)
-        out["repairs"] = self.quarantine.repaired
         return out
 
     def work_context(self) -> Any:
@@ -228,6 +231,7 @@ class Protection(Adapter):
         self._padding = padding_writes(self.groups, batch, steps)
         self._verify_first_reads(reqs, steps)
         self.rows[self.forwards] = [fs.state.request_id for fs in reqs]
+        self.harm.forward(self.forwards, {fs.state.request_id: int(bool(fs.has_new_token)) for fs in reqs})
         self.rows.pop(self.forwards - self.config.history, None)
         for name, step in steps.items():
             self.groups[name].canary.before_forward(step)

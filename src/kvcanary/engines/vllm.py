@@ -201,6 +201,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
             self.book.forget(rid)
             self._seen.discard(rid)
             self.heal.forget(rid)
+            self.harm.forget(rid)
         for r in meta.reqs:
             if r.tokens:
                 self.book.extend(r.req_id, r.start, r.tokens)
@@ -218,6 +219,10 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
             return  # a dummy forward (profiling, warm-up): nothing to check
         rows = match_rows(mds[self.primary], meta.reqs, self.book)
         self._rows, self._meta = rows, meta
+        # the tokens each row samples: its last sampled token and its drafts, where it reaches the end
+        self.harm.forward(self.groups[0].canary.step_id, {
+            x.req_id: 1 + len(x.drafts) for x in rows.reqs
+            if x is not None and x.computed + x.scheduled - len(x.drafts) >= self.book.have.get(x.req_id, 0)})
         self._history[self.forwards] = rows.rids
         self._history.pop(self.forwards - self.config.history, None)
         live = [g for g in self.groups if mds.get(g.plan.index) is not None]
@@ -293,7 +298,10 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
             vllm_transfer.store(self)
 
     def report_and_heal(self, found: list[Violation]) -> None:
-        """Hand a forward's violations to healing (``quarantine``, ``repair``), then report them."""
+        """Hand a forward's violations to healing (``quarantine``, ``repair``), count the harm, then
+        report them."""
+        if found:  # with block ids, vLLM drops the reporting forward's output for every reader
+            self.count_harm(found, healed=self.ship_blocks and self.heal.block_level)
         if self.ship_blocks and found and self._rows is not None:
             g = self._group(self.primary)
             if g is not None:
@@ -303,6 +311,9 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
                 if poisoned:
                     g.canary.release(block_slots(poisoned, g.plan.block_size))
         self.report(found, rank=self.rank)
+
+    def heal_counts(self) -> dict[str, int]:
+        return {**Adapter.heal_counts(self), **self.heal.counts}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The bad blocks of this forward (healing modes, one KV cache group): vLLM drops the forward's
@@ -348,7 +359,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         plans = self.plans or []
         out["kv_cache_groups"] = len(plans) or len(self.groups)
         out["kv_cache_groups_covered"] = len(self.groups)
-        out.update(self.heal.counts)
+
         return out
 
     def recover(self) -> None:

@@ -43,6 +43,7 @@ class FaultResult:
     injected_at: int | None = None  # the engine step (scripted) or forward (transformers) it landed in
     diagnosis: str | None = None  # the class kvcanary.diagnosis gives the first detecting event
     harmful_reads: int | None = None  # reads of the corrupted slot by a forward before the first report
+    harmful_tokens: int | None = None  # tokens sampled from corrupted KV that reached the user (kvcanary.harm)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

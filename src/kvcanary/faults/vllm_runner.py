@@ -308,7 +308,9 @@ def run_fault(spec: FaultSpec, seed: int, model: str) -> FaultResult:
     detail = {**detail, "hurt": sorted({v["request"] for v in hits if v["request"]}),
               "hit_slots": sorted({v["slot"] for v in hits})[:64]}
     # a corruption present when forward k's checks run is found by forward k: 1 forward
-    return _result(spec, seed, detail, fired, first["step"] - at + 1, first["text"], at)
+    res = _result(spec, seed, detail, fired, first["step"] - at + 1, first["text"], at)
+    res.harmful_tokens = int(out["stats"].get("harmful_tokens", 0))
+    return res
 
 
 def _result(spec: FaultSpec, seed: int, detail: dict[str, Any], fired: list[str] | None = None,
