@@ -311,7 +311,7 @@ def _selftest(args: argparse.Namespace) -> int:
         det = f"{r['detected']}/{r['runs']}" if r["runs"] else "-"
         fwd_s = "-" if r["forwards_max"] is None else str(r["forwards_max"])
         harm = ("-" if r.get("harmful_reads_max") is None else str(r["harmful_reads_max"])) if r.get(
-            "harmful_tokens_max") is None else f"{r['harmful_tokens_max']}t"  # vLLM rows: tokens
+            "harmful_tokens_max") is None else f"{r['harmful_tokens_max']}t"  # engine rows: tokens
         fired = ",".join(r["checks_fired"]) or (str(r.get("why", "")) if r["status"] == "miss" else "")  # type: ignore[arg-type]
         zoo = ",".join(r["zoo"])  # type: ignore[arg-type]
         mark = "" if r["status"] in ("ok", "miss") else "   <-- FAIL"

@@ -197,8 +197,10 @@ def run_transformers(fc: FaultClass, seed: int, model: Any = None) -> FaultResul
         return _result(fc, "transformers", seed, False, [], None, fault.detail)
     fired = sorted({c.name or "" for v in hits if v.step == hits[0].step for c in Check if c in v.checks})
     # a corruption present when forward k's checks run is found by forward k: 1 forward
-    return _result(fc, "transformers", seed, True, fired, hits[0].step - fault.landed_at + 1, fault.detail,
-                   guard.describe(hits[0]), fault.landed_at)
+    res = _result(fc, "transformers", seed, True, fired, hits[0].step - fault.landed_at + 1, fault.detail,
+                  guard.describe(hits[0]), fault.landed_at)
+    res.harmful_tokens = int(guard.stats().get("harmful_tokens", 0))  # log mode: the reporting forwards' tokens
+    return res
 
 
 def random_spec(rng: random.Random, seed: int) -> EngineSpec:
