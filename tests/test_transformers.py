@@ -317,6 +317,27 @@ def test_the_patrol_finds_a_flip_in_cold_cache_within_its_pass(llama, budget):
         assert st["patrol_pass_steps"] == 0 and not [v for v in hits if v.site == Site.SCRUB]
 
 
+@pytest.mark.parametrize("mode", ["repair", "quarantine"])
+def test_a_cold_block_the_patrol_finds_corrupted_never_serves_a_prefix_hit(llama, mode):
+    """Healing modes: the patrol finds a flip in a cached block; the block leaves the prefix cache at
+    once, so the later requests with its prefix compute it afresh and no read of it is ever reported.
+    A request that had already taken the block (a prefix match, before its first read) is repaired
+    or failed with the others' outputs a clean run's."""
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+    ps = [p[: 10 + 3 * i] for i, p in enumerate(prompts(24, seed=3))]
+    base, _ = generate(llama, ps, max_new_tokens=24, num_blocks=128)
+    f = CbFault("flip_cold_byte", at=8, seed=1)
+    out, guard = generate(llama, ps, CanaryConfig(mode=mode, patrol_budget_bytes=1 << 30), hooks=[f],
+                          max_new_tokens=24, num_blocks=128)
+    st = guard.stats()
+    assert f.injected_at is not None and f.detail["cold"]
+    assert guard.violations and {v.site for v in guard.violations} == {Site.SCRUB}
+    failed = {k for k, o in out.items() if o.error}
+    assert st["requests_failed"] == len(failed) and (mode == "quarantine" or not failed)
+    kept = {k: t for k, t in tokens(out).items() if k not in failed}
+    assert kept == {k: t for k, t in tokens(base).items() if k not in failed}
+
+
 @pytest.mark.parametrize("first_read", [True, False], ids=["first-read-verified", "without"])
 def test_a_prefix_hit_verifies_every_byte_of_the_blocks_before_its_first_read(llama, monkeypatch, first_read):
     """A byte of a cached prefix block flips just before a new request's first read of it (a
