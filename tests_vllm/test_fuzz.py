@@ -16,10 +16,9 @@ CROSSINGS = [
     # full attention, block size 128, parallel sampling, aborts, every read byte verified, no prefix cache
     FuzzConfig(arch="qwen3", head_dim=112, block_size=128, prefix=128, prefix_caching=False, n=2, abort=4,
                requests=8, max_tokens=48, every_byte=True, seed=12),
-    # a window on every layer crossed with tensor parallel 2 and ngram drafts
-    FuzzConfig(arch="mistral", head_dim=64, prefix=50, tensor_parallel=2, spec=4, requests=4, max_seqs=4,
-               max_tokens=96, seed=13),
 ]
+# (tensor parallel 2 runs in test_vllm.py with a fault in each rank, and across the features in the long
+# draw of bench/vllm_fuzz.py: its three engine starts of two workers each would double this file's time)
 
 
 @pytest.mark.parametrize("cfg", CROSSINGS, ids=[c.name for c in CROSSINGS])
