@@ -177,15 +177,21 @@ def flip_first_read(conn: Any, md: Any, meta: Any, rng: random.Random, detail: d
         old = [b for b in blocks if b != 0 and bool(stamped[b * bs : (b + 1) * bs].all())]  # written before now
         if not old:
             continue
-        block = rng.choice(old)
-        layer = rng.choice(conn.fault_layers())
-        kv = conn.kv_caches[layer]
-        t = rng.randrange(bs)
-        flat, off = _element(conn, layer, block, rng.randrange(kv.shape[1]), t, rng.randrange(kv.shape[3] // 2), "k")
-        flat[off] ^= 1 << rng.randrange(8)
-        detail.update(request=rid, block=block, slot=block * bs + t, layer=layer)
+        detail.update(request=rid, **_flip_k_bit(conn, rng.choice(old), rng))
         return True
     return False
+
+
+def _flip_k_bit(conn: Any, block: int, rng: random.Random) -> dict[str, Any]:
+    """Flip one bit of one K element of ``block`` (a random layer of the primary group, head, token,
+    dimension); returns where."""
+    bs = conn.block_size
+    layer = rng.choice(conn.fault_layers())
+    kv = conn.kv_caches[layer]
+    t = rng.randrange(bs)
+    flat, off = _element(conn, layer, block, rng.randrange(kv.shape[1]), t, rng.randrange(kv.shape[3] // 2), "k")
+    flat[off] ^= 1 << rng.randrange(8)
+    return {"block": block, "slot": block * bs + t, "layer": layer}
 
 
 def write_null_block(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
@@ -235,13 +241,7 @@ def flip_cold(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -
     cold = [b for b in range(1, conn.canary.num_slots // bs) if b not in held and bool(stamped[b * bs : (b + 1) * bs].all())]
     if not cold:
         return False
-    block = rng.choice(cold)
-    layer = rng.choice(conn.fault_layers())
-    kv = conn.kv_caches[layer]
-    t = rng.randrange(bs)
-    flat, off = _element(conn, layer, block, rng.randrange(kv.shape[1]), t, rng.randrange(kv.shape[3] // 2), "k")
-    flat[off] ^= 1 << rng.randrange(8)
-    detail.update(block=block, slot=block * bs + t, layer=layer)
+    detail.update(_flip_k_bit(conn, rng.choice(cold), rng))
     return True
 
 
