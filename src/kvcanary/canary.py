@@ -153,9 +153,10 @@ class Canary:
         self.disabled = False  # set when even forgetting every stamp failed: nothing is checked after
         self.unknown_possible = False  # some slot may be unknown: stamping seeds such rows from the prefix
         self.history: collections.deque[Violation] = collections.deque(maxlen=self.config.history)
-        # the forward each slot's bytes were last fingerprinted (CPU pools with content: the harm count)
+        # the forward each slot's bytes were last fingerprinted, for the harm count: the CPU backends
+        # only (it is kept on the host; the Triton path never reads device tensors on the host)
         self.ledger = (CheckLedger(num_slots, every_read=self.content_slots is None)
-                       if self.device.type == "cpu" and self.layout.sources else None)
+                       if self.device.type == "cpu" and self.backend != "triton" and self.layout.sources else None)
         self.callbacks = list(on_violation)
 
     def _resolve_backend(self) -> str:

@@ -4,7 +4,7 @@ A changed slot is reported by the first check that looks at its bytes; under a c
 that may be some forwards after the change, and every forward that read the slot in between
 sampled its tokens from corrupted KV. Two pieces count them:
 
-- :class:`CheckLedger` (one per canary, CPU pools): the forward each slot's bytes were last
+- :class:`CheckLedger` (one per canary, CPU backends): the forward each slot's bytes were last
   fingerprinted (stamped, verified in the rotating window, scrubbed, verified at a first read or a
   landing), and the one before, so that the last good check of a slot reported now is known.
 - :class:`HarmCounter` (one per engine adapter): the tokens each request sampled in each recent
@@ -14,7 +14,7 @@ sampled its tokens from corrupted KV. Two pieces count them:
 
 The change happened somewhere after the last good check, so the count is an upper bound; with every
 read byte verified (``content_budget_bytes=None``) a changed byte is reported before any forward
-reads it, and the count under ``repair`` is 0. CUDA pools keep no ledger (it would read device
+reads it, and the count under ``repair`` is 0. The Triton path keeps no ledger (it would read device
 tensors on the host): there the count covers the reporting forward only.
 """
 
