@@ -363,7 +363,7 @@ def _catalog_rows(engines: list[str], seeds: int, say: Callable[..., None]) -> l
     """The catalog's rows: each fault class on the scripted engine, and on transformers where it applies;
     documented misses as one row each."""
     from kvcanary.faults import runner
-    from kvcanary.faults.catalog import CATALOG, Outcome
+    from kvcanary.faults.catalog import CATALOG, Outcome, Point
 
     model = None
     rows: list[dict[str, object]] = []
@@ -373,21 +373,31 @@ def _catalog_rows(engines: list[str], seeds: int, say: Callable[..., None]) -> l
                          "runs": 0, "detected": 0, "checks_fired": [], "forwards_max": None, "status": "miss",
                          "why": fc.why_missed})
             continue
+        ran = False
         for eng in engines:
-            if eng == "vllm" or (eng == "transformers" and fc.name not in runner.CB_FAULTS):
+            if eng == "vllm" or (eng == "scripted" and fc.point == Point.KERNEL) or (
+                    eng == "transformers" and fc.name not in runner.CB_FAULTS and fc.name not in runner.KERNEL_FAULTS):
                 continue
             results = []
             for seed in range(seeds):
-                say(f"  {fc.name} on {eng}, seed {seed} ...")
+                say(f"  {fc.name} on {eng}, seed {seed}{' (with and without the audit)' if fc.audit else ''} ...")
                 if eng == "scripted":
                     results.append(runner.run_scripted(fc, seed, table=("block", "token")[seed % 2]))
                 else:
+                    if fc.name in runner.SLIDING_FAULTS:
+                        results.append(runner.run_transformers(fc, seed))
+                        continue
                     if model is None:
                         from kvcanary.engines.transformers import tiny_model
 
                         model = tiny_model(seed=0, layers=2)
                     results.append(runner.run_transformers(fc, seed, model))
             rows.append(_row(fc.name, fc.zoo, fc.outcome.value, eng, fc.max_forwards, results))
+            ran = True
+        if not ran:  # a kernel class where no engine with a kernel runs (transformers missing or turned off)
+            rows.append({"fault": fc.name, "zoo": list(fc.zoo), "expected": fc.outcome.value, "engine": "-",
+                         "runs": 0, "detected": 0, "checks_fired": [], "forwards_max": None, "status": "not run",
+                         "why": "needs an engine's attention kernel: transformers is not installed or turned off"})
     return rows
 
 

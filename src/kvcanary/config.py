@@ -57,6 +57,13 @@ class CanaryConfig:
         ``metrics``); ``None``: no exporter of kvcanary's own
     repair_limit : ``repair`` mode: repairs of one request after which it fails instead (corruption
         that recomputing does not fix, such as a table pointing at the wrong block, must not loop)
+    write_check : engine adapters compare the K and V each layer computed with what the cache holds
+        at the new tokens' slots after the write (:mod:`kvcanary.audit`), within ``content_budget_bytes``
+    audit_queries : queries per forward whose attention output is recomputed in fp32 from the
+        verified cache and compared with the engine's (rotating over layers, requests and heads);
+        0 turns the read audit off
+    audit_tolerance : the largest accepted error of an audited query, as a fraction of the largest
+        |V| it reads; ``None``: derived from the compute dtype (:func:`kvcanary.audit.tolerance`)
     """
 
     mode: Mode = "log"
@@ -72,6 +79,9 @@ class CanaryConfig:
     metrics: bool = False
     metrics_port: int | None = None
     repair_limit: int = 2
+    write_check: bool = True
+    audit_queries: int = 4
+    audit_tolerance: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -100,6 +110,13 @@ class CanaryConfig:
             raise ConfigError(f"metrics_port: expected a TCP port in 1 .. 65535 or None, got {_shown(self.metrics_port)}")
         if not (_is_int(self.repair_limit) and self.repair_limit >= 0):
             raise ConfigError(f"repair_limit: expected an integer >= 0, got {_shown(self.repair_limit)}")
+        if not isinstance(self.write_check, bool):
+            raise ConfigError(f"write_check: expected True or False, got {_shown(self.write_check)}")
+        if not (_is_int(self.audit_queries) and 0 <= self.audit_queries <= 4096):
+            raise ConfigError(f"audit_queries: expected an integer in 0 .. 4096, got {_shown(self.audit_queries)}")
+        t = self.audit_tolerance
+        if t is not None and not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e6):
+            raise ConfigError(f"audit_tolerance: expected a positive number or None, got {_shown(t)}")
         if self.validate is not None and not isinstance(self.validate, bool):
             raise ConfigError(f"validate: expected True, False or None, got {_shown(self.validate)}")
 
@@ -170,6 +187,15 @@ def _int(s: str) -> int:
         raise ValueError(f"expected an integer, got {s!r}") from None
 
 
+def _tolerance(s: str) -> float | None:
+    if s.strip().lower() in ("", "none", "auto"):
+        return None
+    try:
+        return float(s)
+    except ValueError:
+        raise ValueError(f"expected a positive number or 'auto', got {s!r}") from None
+
+
 def _bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "on"):
@@ -192,6 +218,9 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_METRICS": ("metrics", _bool),
     "KVCANARY_METRICS_PORT": ("metrics_port", _int),
     "KVCANARY_REPAIR_LIMIT": ("repair_limit", _int),
+    "KVCANARY_WRITE_CHECK": ("write_check", _bool),
+    "KVCANARY_AUDIT_QUERIES": ("audit_queries", _int),
+    "KVCANARY_AUDIT_TOLERANCE": ("audit_tolerance", _tolerance),
 }
 
 # KVCANARY_* variables read elsewhere, which set no CanaryConfig field

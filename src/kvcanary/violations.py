@@ -29,6 +29,8 @@ class Check(enum.IntFlag):
     WRITE_INPUT_POSITION = 512  # a new token's position differs from the expected input stream
     WRITE_DUPLICATE = 1024  # two tokens of one step wrote one slot (each is reported; the slot is left unstamped)
     PADDING_WRITE = 2048  # a padding token wrote a slot stamped for a live sequence, or a reserved slot
+    WRITE_CONTENT = 4096  # the cache holds other K/V bytes at a new token's slot than the model computed
+    ATTENTION = 8192  # the attention output differs from attention recomputed from the verified KV
 
 
 class Site(enum.IntEnum):
@@ -40,6 +42,7 @@ class Site(enum.IntEnum):
     TRANSFER = 3  # KV landed from another tier or machine, checked against its travelling stamps
     FIRST_READ = 4  # before a request's first read of KV another request wrote (a prefix-cache hit)
     GUARD = 5  # after a forward, on a guard slot: a reserved slot's bytes changed, or a guarded live slot's
+    AUDIT = 6  # inside a forward: a sampled query's attention output, recomputed from the cache (kvcanary.audit)
 
 
 # Field indices of a ring row.
@@ -80,6 +83,13 @@ class Violation:
     ``stored_*`` are what the slot's stamp holds (write: what was just written). ``expected_link``
     and ``expected_content`` are 0 where that check did not run. ``aux`` is the predecessor slot
     (verify, -1 at a window or sequence head) or the slot the table maps the position to (write).
+
+    The write check and the read audit (:mod:`kvcanary.audit`) fill the fields so: ``aux`` is the
+    layer; ``expected_token`` the attention head (audit) or the first KV head whose bytes differ
+    (write); ``stored_token`` which half differs (write: 1 K, 2 V, 3 both); ``expected_link`` the
+    tolerance and ``stored_link`` the error, in millionths of the largest |V| read (audit);
+    ``stored_position`` the block shift that explains the kernel's output, 0 where none does or
+    none was tried (audit).
     """
 
     site: Site
@@ -107,6 +117,8 @@ class Violation:
 
     def describe(self) -> str:
         names = "|".join(c.name or "?" for c in Check if c in self.checks)
+        if self.checks & (Check.WRITE_CONTENT | Check.ATTENTION):
+            return self._describe_audit(names)
         where = f"row {self.row} " if self.row >= 0 else ""
         if self.request is not None:
             where = f"request {self.request} ({where.strip()}) "
@@ -126,6 +138,20 @@ class Violation:
         if Check.PADDING_WRITE in self.checks:
             s += " (a padding token wrote it)"
         return s
+
+    def _describe_audit(self, names: str) -> str:
+        who = f"request {self.request} (row {self.row})" if self.request is not None else f"row {self.row}"
+        head = f"[{self.site.name.lower()} step {self.step}] {names}: {who} layer {self.aux}"
+        if Check.WRITE_CONTENT in self.checks:
+            half = {1: "K", 2: "V", 3: "K and V"}.get(self.stored_token, "K/V")
+            return (f"{head} position {self.position} slot {self.slot}: the cache holds other {half} bytes than the "
+                    f"model computed (first differing KV head {self.expected_token})")
+        out = (f"{head} head {self.expected_token} position {self.position}: the attention output is "
+               f"{self.stored_link / 1e6:.3g} of max|V| away from attention over the verified KV "
+               f"(tolerance {self.expected_link / 1e6:.3g})")
+        if self.stored_position:
+            out += f"; reading {abs(self.stored_position)} block(s) {'on' if self.stored_position > 0 else 'back'} explains it"
+        return out
 
     def to_dict(self) -> dict[str, object]:
         d: dict[str, object] = {k: getattr(self, k) for k in self.__dataclass_fields__}

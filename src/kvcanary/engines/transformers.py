@@ -28,6 +28,7 @@ from kvcanary.config import CanaryConfig
 from kvcanary.engines import transformers_hooks as cb_hooks
 from kvcanary.engines.base import Adapter
 from kvcanary.engines.hf_models import cb_configs, tiny_model
+from kvcanary.engines.transformers_audit import CbAudit
 from kvcanary.engines.transformers_quarantine import Quarantine
 from kvcanary.engines.transformers_steps import Group, build_steps, group_layout, padding_writes
 from kvcanary.errors import ConfigError, UnsupportedError
@@ -95,6 +96,7 @@ class Protection(Adapter):
         self.hooks: list[Callable[["Protection", Any, dict], None]] = []  # run before each forward's checks
         self._stream: Any = None
         self.quarantine = Quarantine(self)
+        self.audit = CbAudit(self)  # the write check and the read audit inside each forward
         self._padding: dict[str, torch.Tensor] = {}  # each group's padding writes of the forward in flight
         self._freed: dict[str, dict[int, torch.Tensor]] = {}  # group -> block -> stamps, freed since the last forward
 
@@ -109,11 +111,17 @@ class Protection(Adapter):
                     f"protection is not supported: use the outer guard, or exit it before protecting again")
             cb_hooks.install()
             cb_hooks.ACTIVE[id(self.model)] = self
+            if self.audit.on:  # the attention modules whose forwards are audited
+                for m in self.model.modules():
+                    if hasattr(m, "layer_idx") and hasattr(m, "scaling"):
+                        cb_hooks.AUDITED[id(m)] = self.audit
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if cb_hooks.ACTIVE.get(id(self.model)) is self:
             cb_hooks.ACTIVE.pop(id(self.model))
+        for key in [k for k, a in cb_hooks.AUDITED.items() if a is self.audit]:
+            del cb_hooks.AUDITED[key]
         if self.cache is not None:
             cb_hooks.BY_CACHE.pop(cb_hooks.pool_key(self.cache.cache_tensor), None)
             cb_hooks.BY_POOL.pop(id(self.cache.pool), None)
@@ -140,6 +148,7 @@ class Protection(Adapter):
                     holders = g.holders(v.slot // g.tpp)
                     rid = holders[0] if holders else None
                 found.append(dataclasses.replace(v, request=rid, group=name))
+        found += [dataclasses.replace(v, request=self.request_of(v)) for v in self.audit.drain()]
         if not found:
             return found
         self.count_harm(found, healed=self.config.mode in ("quarantine", "repair"))
@@ -182,6 +191,7 @@ class Protection(Adapter):
         out = super().stats()
         out["forwards"] = self.forwards
         out["requests_quarantined"] = len(self.quarantine.failed)
+        out.update(self.audit.stats())
         return out
 
     def work_context(self) -> Any:
@@ -207,6 +217,7 @@ class Protection(Adapter):
             if held:
                 g.canary.forget(g.block_slots(held))
         self.groups, self.cache = groups, cache
+        self.audit.groups_changed(groups)
         cb_hooks.BY_CACHE[cb_hooks.pool_key(cache.cache_tensor)] = self
         cb_hooks.BY_POOL[id(cache.pool)] = self
 
@@ -235,6 +246,7 @@ class Protection(Adapter):
         self.rows.pop(self.forwards - self.config.history, None)
         for name, step in steps.items():
             self.groups[name].canary.before_forward(step)
+        self.audit.begin(steps, reqs, batch)
         return steps
 
     def _verify_first_reads(self, reqs: list, steps: dict[str, Step]) -> None:
@@ -254,6 +266,7 @@ class Protection(Adapter):
     def after(self, steps: dict[str, Step] | None) -> None:
         if steps is not None:
             self.shielded("the after-forward hook", self._after, steps)
+        self.audit.end()
 
     def _after(self, steps: dict[str, Step]) -> None:
         for name, step in steps.items():

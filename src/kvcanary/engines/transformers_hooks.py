@@ -46,6 +46,7 @@ def canary_work(stream: Any) -> Iterator[None]:
 ACTIVE: dict[int, Any] = {}  # model id -> Protection
 BY_CACHE: dict[int, Any] = {}  # by the KV pool's storage, which the cache and its allocators share
 BY_POOL: dict[int, Any] = {}  # by the id of the cache's block pool (the CPU tier has a pool of its own)
+AUDITED: dict[int, Any] = {}  # by the id of a protected model's attention module: its CbAudit
 
 
 def pool_key(cache_tensor: torch.Tensor) -> int:
@@ -58,6 +59,8 @@ _ORIGINAL: dict[str, Callable[..., Any]] = {}
 def _targets() -> dict[str, tuple[Any, str]]:
     """Every patched method: key -> (class, attribute)."""
     from transformers.generation.continuous_batching import continuous_api
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.modeling_utils import AttentionInterface
     from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
     from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
     from transformers.generation.continuous_batching.model_runner import ModelRunner
@@ -72,6 +75,8 @@ def _targets() -> dict[str, tuple[Any, str]]:
         "pool_reset": (CachePool, "reset"),
         "update_batch": (continuous_api.ContinuousBatchProcessor, "update_batch"),
         "generate_batch": (continuous_api.ContinuousMixin, "generate_batch"),
+        "cache_update": (PagedAttentionCache, "update"),
+        "get_interface": (AttentionInterface, "get_interface"),
     }
 
 
@@ -139,10 +144,34 @@ def _generate_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+def _cache_update(self: Any, key_states: Any, value_states: Any, layer_idx: int, kwargs: dict) -> Any:
+    prot = _by_cache(self.cache_tensor)
+    if prot is None:
+        return _ORIGINAL["cache_update"](self, key_states, value_states, layer_idx, kwargs)
+    return prot.audit.update(_ORIGINAL["cache_update"], self, key_states, value_states, layer_idx, kwargs)
+
+
+_AUDITED_FN: dict[Any, Callable[..., Any]] = {}  # attention function -> its audited wrapper
+
+
+def _get_interface(self: Any, attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
+    fn = _ORIGINAL["get_interface"](self, attn_implementation, default)
+    wrapped = _AUDITED_FN.get(fn)
+    if wrapped is None:
+        def wrapped(module: Any, query: Any, key: Any, value: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
+            audit = AUDITED.get(id(module))
+            if audit is None:
+                return fn(module, query, key, value, mask, *args, **kwargs)
+            return audit.attention(fn, module, query, key, value, mask, *args, **kwargs)
+
+        _AUDITED_FN[fn] = wrapped
+    return wrapped
+
+
 _PATCHES: dict[str, Callable[..., Any]] = {
     "compute_batch": _compute_batch, "offload": _offload, "restore": _restore, "copy_blocks": _copy_blocks,
     "free_blocks": _free_blocks, "pool_reset": _pool_reset, "update_batch": _update_batch,
-    "generate_batch": _generate_batch,
+    "generate_batch": _generate_batch, "cache_update": _cache_update, "get_interface": _get_interface,
 }
 
 

@@ -26,6 +26,7 @@ class Point(enum.Enum):
     TABLE = "table"  # in a request's slot or block table
     ALLOCATOR = "allocator"  # in the allocator or the prefix cache
     TRANSFER = "transfer"  # in a tier transfer (offload and reload)
+    KERNEL = "kernel"  # inside a forward: the cache-write op or the attention kernel (an engine's only)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class FaultClass:
     # "default": the default content budget and patrol, a pool larger than they cover per forward
     # (proves the priorities: first reads, the patrol, the guards)
     budget: str = "full"
+    # needs the write check or the read audit (kvcanary.audit): it is run with and without them, and
+    # must be detected with them and missed without
+    audit: bool = False
 
 
 META = Check.POSITION | Check.LINK | Check.TOKEN | Check.EMPTY  # what a foreign or stale slot trips
@@ -93,15 +97,27 @@ CATALOG: tuple[FaultClass, ...] = (
     FaultClass("cold_bytes_never_read", Point.COLD, Outcome.DETECT, Check.CONTENT, 12, ("Z16", "Z37"),
                "a byte of a cached block that no request reads again changes (found by the patrol within its pass)",
                budget="default"),
-    FaultClass("quant_scale_mixup", Point.AFTER_FORWARD, Outcome.MISS, Check(0), 0, ("Z11", "Z20"),
-               "writer and reader use different quantization scales",
-               "the bytes written are self-consistent; a per-slot fingerprint of them cannot know the scale was wrong"),
-    FaultClass("layout_disagreement", Point.AFTER_FORWARD, Outcome.MISS, Check(0), 0, ("Z28",),
-               "the writer stores a flat layout, the reader addresses it tiled",
-               "the stamped bytes never change; the disagreement is inside the attention kernel's addressing"),
-    FaultClass("attention_read_bug", Point.BEFORE_FORWARD, Outcome.MISS, Check(0), 0, ("Z29", "Z23"),
-               "the attention kernel reads the wrong slot although the table is right",
-               "the canary verifies what the table says will be read; the kernel's own address arithmetic is unobserved"),
+    FaultClass("attention_read_bug", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 1, ("Z29", "Z23"),
+               "the attention kernel computes one request's page addresses one page too far, although its table "
+               "is right (FlashInfer #3716, #4450; flash-attention #2368)", audit=True),
+    FaultClass("kernel_ignores_prefix", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 1, ("Z29",),
+               "the attention kernel attends to a request's new tokens only, leaving its cached prefix out "
+               "(FlashInfer's zeros for non-contiguous kv_indices)",
+               audit=True),
+    FaultClass("layout_disagreement", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 1, ("Z28",),
+               "writer and reader disagree on the layout: the reader takes the KV heads in another order "
+               "(vLLM ROCm #52109's flat vs tiled; LMCache #4463, #4247 after a KV layout change)", audit=True),
+    FaultClass("quant_scale_mixup", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 1, ("Z11", "Z20"),
+               "V is read back with another scale than it was written with: a dequantization scale reset, "
+               "shared, missing or ignored (vLLM #51091, #48412, #34863; SGLang #18818)", audit=True),
+    FaultClass("write_lands_zeros", Point.KERNEL, Outcome.DETECT, Check.WRITE_CONTENT, 1, (),
+               "the cache write of a layer lands zeros instead of the computed K and V, and the stamp "
+               "fingerprints the zeros (mlx-rs #338)", audit=True),
+    FaultClass("window_off_by_one", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 1, ("Z29",),
+               "the sliding-window mask is off by one: the oldest position inside each query's window is left "
+               "out (kernel mask arithmetic, as in the FlashInfer and flash-attention read bugs)", audit=True),
+    FaultClass("wrong_softmax_scale", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 1, ("Z29",),
+               "the attention kernel applies a softmax scale of 1 instead of the model's", audit=True),
 )
 
 BY_NAME = {f.name: f for f in CATALOG}

@@ -44,6 +44,7 @@ class FaultResult:
     diagnosis: str | None = None  # the class kvcanary.diagnosis gives the first detecting event
     harmful_reads: int | None = None  # reads of the corrupted slot by a forward before the first report
     harmful_tokens: int | None = None  # tokens sampled from corrupted KV that reached the user (kvcanary.harm)
+    missed_without_audit: bool | None = None  # an audit class run again without the audit: nothing found
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,26 +168,62 @@ CB_FAULTS = {"bit_flip": "flip_shared_byte", "table_redirect": "redirect_table_e
              "slot_reused_while_referenced": "free_shared_block", "padding_write_into_reserved": "write_read_trash"}
 
 
-def run_transformers(fc: FaultClass, seed: int, model: Any = None) -> FaultResult:
-    """Inject the transformers counterpart of ``fc`` into continuous batching of a tiny model."""
+# the attention-kernel and cache-write classes (kvcanary.faults.transformers_kernel), which need the
+# write check or the read audit
+KERNEL_FAULTS = {"attention_read_bug": "read_next_page", "kernel_ignores_prefix": "ignore_prefix",
+                 "layout_disagreement": "heads_reversed", "quant_scale_mixup": "v_rescaled",
+                 "write_lands_zeros": "write_zeros", "window_off_by_one": "window_one_short",
+                 "wrong_softmax_scale": "scale_of_one"}
+SLIDING_FAULTS = {"window_off_by_one"}  # run on a model whose layers attend to a window
+FULL_AUDIT = 64  # audited queries per forward in the "full" runs: every layer and request of the batch
+
+
+def transformers_model(fc: FaultClass) -> Any:
+    """The tiny model a class runs on in transformers (a window on every layer for the window's classes)."""
+    from kvcanary.engines.transformers import tiny_model
+
+    return tiny_model(seed=0, layers=2, sliding_window=16 if fc.name in SLIDING_FAULTS else None)
+
+
+def run_transformers(fc: FaultClass, seed: int, model: Any = None, audit: bool = True) -> FaultResult:
+    """Inject the transformers counterpart of ``fc`` into continuous batching of a tiny model.
+    A class that needs the audit (``fc.audit``) runs again without it (``audit=False``), where
+    nothing must be found."""
+    if fc.audit and audit:
+        res = _run_transformers(fc, seed, model, False)
+        missed = not res.detected and "error" not in res.detail
+        out = _run_transformers(fc, seed, model, True)
+        out.missed_without_audit = missed
+        out.ok = out.ok and missed
+        return out
+    return _run_transformers(fc, seed, model, audit)
+
+
+def _run_transformers(fc: FaultClass, seed: int, model: Any, audit: bool) -> FaultResult:
     import torch
 
-    from kvcanary.engines.transformers import cb_configs, protect, tiny_model
+    from kvcanary.engines.transformers import cb_configs, protect
     from kvcanary.faults.transformers_cb import CbFault
 
-    model = model if model is not None else tiny_model(seed=0, layers=2)
+    model = model if model is not None else transformers_model(fc)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
     prompts = [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))] for _ in range(20)]
     gen, cb = cb_configs(max_new_tokens=10)
-    fault = CbFault(CB_FAULTS[fc.name], at=3, seed=seed)
+    fault = CbFault({**CB_FAULTS, **KERNEL_FAULTS}[fc.name], at=3, seed=seed)
+    config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=audit,
+                          audit_queries=FULL_AUDIT if audit else 0)
     restore = _quiet()
     try:
-        with torch.inference_mode(), protect(model, CanaryConfig(mode="log", content_budget_bytes=None)) as guard:
+        with torch.inference_mode(), protect(model, config) as guard:
             guard.hooks.append(fault)
             model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
     finally:
         restore()
+    if fault.injected_at is not None and not audit:  # anything found at all, without the audit
+        found = guard.violations
+        return _result(fc, "transformers", seed, bool(found), [], None,
+                       {**fault.detail, **({"found_without_audit": found[0].describe()} if found else {})})
     if fault.injected_at is None:
         return _result(fc, "transformers", seed, False, [], None, {"error": "no target for the fault appeared"})
     early = [v for v in guard.violations if v.step < fault.injected_at]

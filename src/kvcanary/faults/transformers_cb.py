@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from kvcanary.faults.transformers_kernel import INJECTORS as KERNEL_INJECTORS
+
 
 @dataclass
 class CbFault:
@@ -137,4 +139,5 @@ INJECTORS = {
     "free_shared_block": free_shared_block,
     "flip_cold_byte": flip_cold_byte,
     "write_read_trash": write_read_trash,
+    **KERNEL_INJECTORS,  # the attention-kernel and cache-write faults (kvcanary.faults.transformers_kernel)
 }

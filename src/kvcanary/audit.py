@@ -1,0 +1,225 @@
+"""Audit the write and the read: what per-slot stamps cannot see.
+
+A stamp says which token and position a slot holds and fingerprints the bytes found there after
+the write. Two things escape it: a cache write that lands other bytes than the model computed
+(zeros, the wrong head, nothing at all: the stamp fingerprints whatever landed), and an attention
+kernel that reads or weighs the right bytes wrongly (its own page arithmetic, a head order or K/V
+layout that disagrees with the writer's, a dequantization scale, a mask, a softmax scale). Engine
+adapters run two checks inside each protected forward:
+
+- **write check**: for each new token of a layer, the K and V rows the model computed (the
+  inputs of the engine's cache-write op) are compared bit for bit with the rows the cache holds
+  at the token's slot after the write (:func:`write_mismatch`). Every new token of every layer
+  with ``content_budget_bytes=None``; within the budget otherwise, rotating over the tokens.
+  A mismatch is a ``WRITE_CONTENT`` violation at site ``write``.
+- **read audit**: for a few sampled queries per forward (``audit_queries``: a layer, a request's
+  new token and an attention head, rotating so every layer, request and head comes round), the
+  attention output is recomputed in fp32 from the cache bytes at the slots the verified table
+  names, with the model's own scale, causal and sliding-window mask, attention sinks and logit
+  soft-capping (:func:`attend`), and compared with the engine's output for that query. An error
+  above :func:`tolerance` (as a fraction of the largest |V| the query reads) is an ``ATTENTION``
+  violation at site ``audit``; where reading every block one page on or back explains the
+  engine's output, the record says so.
+
+Everything here is torch ops on the pool's device; nothing reads a device value on the host
+until the adapter drains the results after the forward (:meth:`Auditor.drain`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import torch
+
+from kvcanary.violations import Check, Site, Violation
+
+log = logging.getLogger("kvcanary")
+
+# The largest accepted audit error (max |engine - fp32 reference| / max |V| read) by the dtype the
+# engine computes attention in. The engine rounds q, K, V and the probabilities to that dtype and
+# accumulates in fp32; its error is a few units in the last place of the largest |V|. The
+# calibration (bench/audit_calibration.py, randomized clean runs) measured the clean maxima these
+# leave a margin of at least 10x over; an injected kernel fault lands far above them.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+BIT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The audit's default tolerance for attention computed in ``dtype``."""
+    return TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers of its width: equal bits compare equal (NaNs included), -0.0 differs from 0.0."""
+    return t.contiguous().view(BIT_VIEW[t.element_size()])
+
+
+def write_mismatch(src_k: torch.Tensor, src_v: torch.Tensor, cache_k: torch.Tensor,
+                   cache_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compare computed K/V rows ``[n, Hkv, D]`` with the cache's rows at their slots ``[n, Hkv, D]``.
+
+    Returns ``(half, head)``, int64 ``[n]``: which half differs (0 none, 1 K, 2 V, 3 both) and the
+    first KV head that differs. The computed rows are cast to the cache's dtype first, as the
+    engine's write does; the comparison is bitwise.
+    """
+    kb = (_bits(cache_k) != _bits(src_k.to(cache_k.dtype))).flatten(2).any(-1)  # [n, Hkv]
+    vb = (_bits(cache_v) != _bits(src_v.to(cache_v.dtype))).flatten(2).any(-1)
+    half = kb.any(-1).long() + 2 * vb.any(-1).long()
+    head = (kb | vb).long().argmax(-1)
+    return half, head
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
+           softcap: float | None = None, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 attention of ``S`` single queries over their own keys.
+
+    ``q`` ``[S, D]``; ``k``, ``v`` ``[S, L, D]``; ``valid`` bool ``[S, L]`` (the positions each query
+    reads); ``softcap``: logits become ``cap * tanh(logit / cap)``; ``sink`` ``[S]``: a learned logit
+    per query's head that joins the softmax and adds no value. Returns the outputs ``[S, D]`` and
+    the largest |V| each query reads ``[S]``.
+    """
+    qf, kf, vf = q.float(), k.float(), v.float()
+    logits = torch.einsum("sd,sld->sl", qf, kf) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~valid, float("-inf"))
+    if sink is not None:
+        logits = torch.cat([logits, sink.float()[:, None]], dim=1)
+    p = torch.softmax(logits, dim=1)[:, : kf.shape[1]]
+    out = torch.einsum("sl,sld->sd", p, vf)
+    vmax = vf.abs().amax(-1).masked_fill(~valid, 0).amax(-1)
+    return out, vmax
+
+
+def error(engine_out: torch.Tensor, ref: torch.Tensor, vmax: torch.Tensor) -> torch.Tensor:
+    """Each query's largest deviation from the reference as a fraction of the largest |V| it read
+    (a NaN or infinite engine output counts as an error of 1e6)."""
+    e = (engine_out.float() - ref).abs().amax(-1) / vmax.clamp(min=1e-30)
+    return torch.nan_to_num(e, nan=1e6, posinf=1e6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Query:
+    """One audited query (host side): the layer, the step row and the token's index in the batch,
+    the attention head, its position, and how many of the row's tokens were cached before this
+    forward."""
+
+    layer: int
+    row: int
+    token: int
+    head: int
+    position: int
+    cached: int
+    group: str | None = None
+
+
+@dataclasses.dataclass
+class Writes:
+    """One layer's write check in one forward: the checked tokens and what differed (device)."""
+
+    layer: int
+    group: str | None
+    tokens: Sequence[int]  # the tokens' indices in the batch (host)
+    half: torch.Tensor  # int64 [n]
+    head: torch.Tensor  # int64 [n]
+
+
+@dataclasses.dataclass
+class ForwardAudit:
+    """The write checks and audited queries of one forward, until they are drained."""
+
+    step: int
+    rows: Sequence[int]  # each batch token's step row (host)
+    positions: Sequence[int]  # each batch token's position (host)
+    slots: dict[str | None, torch.Tensor]  # each group's slot of each batch token (device), -1: none
+    queries: list[Query]
+    err: torch.Tensor  # float32 [S]: each query's error, -1 where it did not run
+    shift: torch.Tensor  # int64 [S]: the block shift that explains it (0: none)
+    tol: torch.Tensor  # float32 [S]: each query's tolerance
+    writes: list[Writes] = dataclasses.field(default_factory=list)
+
+
+class Auditor:
+    """The audit's state in one engine adapter: the rotation of sampled queries, the forwards not
+    yet drained and the counts.
+
+    Parameters
+    ----------
+    queries : audited queries per forward (``CanaryConfig.audit_queries``)
+    tolerance : a fixed tolerance, or ``None`` for :func:`tolerance` of each query's dtype
+    """
+
+    def __init__(self, queries: int, tolerance: float | None) -> None:
+        self.queries = queries
+        self.fixed_tolerance = tolerance
+        self.turn = 0  # rotation counter: one per sampled query
+        self.pending: list[ForwardAudit] = []
+        self.counts = {"audit_queries": 0, "write_slots_checked": 0, "write_bytes_checked": 0}
+        self.errors: list[float] | None = None  # every audited query's error, where recorded (calibration)
+
+    def pick(self, layers: Sequence[int], lengths: Sequence[int], heads: int) -> list[tuple[int, int, int, int]]:
+        """This forward's sampled queries as ``(layer, row, token offset in the row, head)``: the
+        rotation walks layers fastest, then rows, then heads, so every combination comes round.
+        ``lengths``: each row's new tokens (rows without any are skipped)."""
+        rows = [r for r, n in enumerate(lengths) if n > 0]
+        if not rows or not layers or self.queries <= 0:
+            return []
+        out = []
+        for _ in range(self.queries):
+            c = self.turn
+            self.turn += 1
+            layer = layers[c % len(layers)]
+            r = rows[(c // len(layers)) % len(rows)]
+            head = (c // len(layers) // len(rows) + c) % heads
+            out.append((layer, r, (c // len(layers)) % lengths[r], head))
+        return out
+
+    def begin(self, fa: ForwardAudit) -> ForwardAudit:
+        self.pending.append(fa)
+        self.counts["audit_queries"] += len(fa.queries)
+        return fa
+
+    def tolerance_for(self, dtype: torch.dtype) -> float:
+        return self.fixed_tolerance if self.fixed_tolerance is not None else tolerance(dtype)
+
+    def drain(self) -> list[Violation]:
+        """Decode every pending forward's results (reads them on the host): the violations found."""
+        found: list[Violation] = []
+        pending, self.pending = self.pending, []
+        for fa in pending:
+            found += self._writes(fa)
+            if not fa.queries:
+                continue
+            err, shift, tol = fa.err.tolist(), fa.shift.tolist(), fa.tol.tolist()
+            if self.errors is not None:
+                self.errors += [e for e in err if e >= 0]
+            for q, e, s, t in zip(fa.queries, err, shift, tol):
+                if e > t:
+                    slot = _slot(fa, q.group, q.token)
+                    found.append(Violation(Site.AUDIT, Check.ATTENTION, fa.step, q.row, slot, q.position, q.head, -1,
+                                           int(s), int(t * 1e6), int(min(e, 1e12) * 1e6), 0, 0, q.layer,
+                                           group=q.group))
+        return found
+
+    def _writes(self, fa: ForwardAudit) -> list[Violation]:
+        out = []
+        for w in fa.writes:
+            half = w.half.tolist()
+            if not any(half):
+                continue
+            heads = w.head.tolist()
+            for t, h, hd in zip(w.tokens, half, heads):
+                if h:
+                    out.append(Violation(Site.WRITE, Check.WRITE_CONTENT, fa.step, fa.rows[t], _slot(fa, w.group, t),
+                                         fa.positions[t], hd, h, -1, 0, 0, 0, 0, w.layer, group=w.group))
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
+def _slot(fa: ForwardAudit, group: str | None, token: int) -> int:
+    slots = fa.slots.get(group)
+    return int(slots[token]) if slots is not None and 0 <= token < slots.shape[0] else -1
