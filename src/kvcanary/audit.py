@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvcanary.violations import Check, Site, Violation
@@ -218,6 +219,70 @@ class Auditor:
 
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """The device side of one layer's audited queries, built on the host before the forward.
+
+    ``picked``: the queries' indices in the forward's list; ``grid`` int64 ``[S, W]``: the positions
+    each reads (its window's first position on, clamped to its own position); ``inside`` bool
+    ``[S, W]``: which of them it reads; ``old``: which were cached before this forward."""
+
+    picked: torch.Tensor
+    token: torch.Tensor
+    head: torch.Tensor
+    row: torch.Tensor
+    grid: torch.Tensor
+    inside: torch.Tensor
+    old: torch.Tensor
+
+
+def to_device(dev: torch.device, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """Host arrays as tensors on ``dev``: through pinned memory and without waiting, on an accelerator."""
+    out = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    if dev.type == "cpu":
+        return out
+    return [t.pin_memory().to(dev, non_blocking=True) for t in out]
+
+
+def plan_layer(queries: Sequence[Query], picked: Sequence[int], window: int | None, dev: torch.device) -> LayerPlan:
+    """One layer's audited queries (``picked`` of ``queries``) as device tensors; ``window``: the
+    layer's sliding window (a query at ``p`` reads ``[p - window + 1, p]``), ``None`` for full attention."""
+    qs = [queries[i] for i in picked]
+    pos = np.array([q.position for q in qs], dtype=np.int64)
+    start = np.maximum(pos - window + 1, 0) if window else np.zeros_like(pos)
+    width = int((pos - start).max()) + 1
+    grid = start[:, None] + np.arange(width)[None, :]
+    inside = grid <= pos[:, None]
+    old = grid < np.array([q.cached for q in qs], dtype=np.int64)[:, None]
+    t = to_device(dev, [np.array(picked, dtype=np.int64), np.array([q.token for q in qs], dtype=np.int64),
+                        np.array([q.head for q in qs], dtype=np.int64), np.array([q.row for q in qs], dtype=np.int64),
+                        np.minimum(grid, pos[:, None]), inside, old])
+    return LayerPlan(*t)
+
+
+def check_layer(fa: ForwardAudit, plan: LayerPlan, slots: torch.Tensor, q: torch.Tensor, engine_out: torch.Tensor,
+                read: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]], scale: float,
+                softcap: float | None, sink: torch.Tensor | None, tol: float) -> None:
+    """Audit one layer's queries of ``fa``: ``slots`` ``[S, W]`` the verified table's slots of
+    ``plan.grid`` (-1: none); ``q`` and ``engine_out`` ``[S, D]`` the queries and the engine's outputs;
+    ``read(slots, shift)`` the cache's K and V ``[S, W, D]`` at those slots, with the positions cached
+    before this forward read ``shift`` blocks on. Fills the queries' errors in ``fa`` (device ops only).
+    A query that reads a position the cache does not hold (a prefill's own tokens past a window) is
+    not audited."""
+    complete = (slots >= 0).logical_or(~plan.inside).all(1)
+    valid = plan.inside & (slots >= 0)
+    errs = []
+    for shift in (0, 1, -1):  # as read, then every cached block one page on / back
+        k, v = read(slots, shift)
+        ref, vmax = attend(q, k, v, valid, scale, softcap, sink)
+        errs.append(error(engine_out, ref, vmax))
+    e = errs[0]
+    explained = torch.where(errs[1] <= tol, 1, torch.where(errs[2] <= tol, -1, 0))
+    fa.err[plan.picked] = torch.where(complete, e, -1.0)
+    fa.shift[plan.picked] = torch.where(e > tol, explained, 0)
+    fa.tol[plan.picked] = tol
 
 
 def _slot(fa: ForwardAudit, group: str | None, token: int) -> int:

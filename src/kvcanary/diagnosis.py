@@ -177,12 +177,36 @@ def _foreign(ev: Event, w: list[tuple[int, str] | None], reuse: bool,
             f"{where}")
 
 
+def _write_content(ev: Event, w: list[tuple[int, str] | None]) -> str | None:
+    if Check.WRITE_CONTENT in ev.checks:
+        v = next(x for x in ev.violations if Check.WRITE_CONTENT in x.checks)
+        layers = sorted({x.aux for x in ev.violations if Check.WRITE_CONTENT in x.checks})
+        return (f"{ev.slots} new token(s) whose cache rows differ from the K/V the model computed, in layer(s) "
+                f"{', '.join(map(str, layers[:8]))} (first: position {v.position}, slot {v.slot})")
+    return None
+
+
+def _attention(ev: Event, w: list[tuple[int, str] | None]) -> str | None:
+    if Check.ATTENTION in ev.checks:
+        v = next(x for x in ev.violations if Check.ATTENTION in x.checks)
+        out = (f"layer {v.aux} head {v.expected_token} position {v.position}: error {v.stored_link / 1e6:.3g} of the "
+               f"largest |V| read, tolerance {v.expected_link / 1e6:.3g}; the table and the stamps are right")
+        if v.stored_position:
+            out += f"; the kernel's output is what reading every cached block {abs(v.stored_position)} page(s) " \
+                   f"{'on' if v.stored_position > 0 else 'back'} gives"
+        return out
+    return None
+
+
 def _plain(rule: Callable[[Event, list], str | None]) -> Callable[[Event, list, Holders | None], str | None]:
     return lambda e, w, h: rule(e, w)
 
 
 RULES: tuple[tuple[str, str, Callable[[Event, list, Holders | None], str | None]], ...] = (
     ("transfer", "a transfer landed nothing or the wrong bytes", _plain(_transfer)),
+    ("cache_write", "the cache write landed other bytes than the model computed", _plain(_write_content)),
+    ("kernel_read", "the attention kernel computed another output than the verified KV gives (its own addressing, "
+     "layout, scale, mask or softmax)", _plain(_attention)),
     ("padding_write", "a padding write landed in real or reserved KV", _plain(_padding_write)),
     ("write_position", "a write at the wrong position or slot", _plain(_write_position)),
     ("write_input", "the forward wrote other tokens than its input", _plain(_write_input)),

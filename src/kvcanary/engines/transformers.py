@@ -115,6 +115,7 @@ class Protection(Adapter):
                 for m in self.model.modules():
                     if hasattr(m, "layer_idx") and hasattr(m, "scaling"):
                         cb_hooks.AUDITED[id(m)] = self.audit
+                        self.audit.modules[int(m.layer_idx)] = m
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:

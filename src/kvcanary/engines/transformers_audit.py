@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvcanary.audit import Auditor, ForwardAudit, Query, Writes, attend, error, write_mismatch
+from kvcanary.audit import Auditor, ForwardAudit, LayerPlan, Query, Writes, check_layer, plan_layer, to_device, write_mismatch
 
 log = logging.getLogger("kvcanary")
 Tap = Callable[..., Any]
@@ -49,7 +49,8 @@ class CbAudit:
         self.steps: dict[str, Any] = {}
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layer_group: dict[int, Any] = {}
-        self.by_layer: dict[int, list[int]] = {}
+        self.plans: dict[int, LayerPlan] = {}
+        self.modules: dict[int, Any] = {}  # layer index -> its attention module
         self.write_tokens: tuple[np.ndarray, torch.Tensor] | None = None
         self.taps: dict[str, Tap] = {}
         self.skipped = 0  # forwards of the decode fast path, not audited
@@ -64,7 +65,7 @@ class CbAudit:
 
     def begin(self, steps: dict[str, Any], reqs: list, batch: dict) -> None:
         """Plan this forward's write checks and audited queries (host work from the requests' lengths)."""
-        self.fa, self.by_layer, self.write_tokens = None, {}, None
+        self.fa, self.plans, self.write_tokens = None, {}, None
         self.stash.clear()
         if not self.on or not steps:
             return
@@ -83,13 +84,15 @@ class CbAudit:
         layers = sorted(self.layer_group)
         heads = int(self.prot.model.config.num_attention_heads)
         queries = []
+        by_layer: dict[int, list[int]] = {}
         for layer, r, off, head in self.auditor.pick(layers, q.tolist(), heads):
             g = self.layer_group[layer]
-            if g.allocator.__class__.__name__.startswith("Sliding"):
+            if self.window(layer) is not None:
                 off = int(q[r]) - 1  # a window group caches only a prefill's last tokens: the last one's reads
             queries.append(Query(layer, r, int(cu[r] + off), head, int(past[r] + off), int(past[r]), g.name))
-            self.by_layer.setdefault(layer, []).append(len(queries) - 1)
+            by_layer.setdefault(layer, []).append(len(queries) - 1)
         dev = next(iter(steps.values())).cached_lens.device
+        self.plans = {layer: plan_layer(queries, picked, self.window(layer), dev) for layer, picked in by_layer.items()}
         s = len(queries)
         self.fa = self.auditor.begin(ForwardAudit(
             self.prot.forwards, rows, positions, {name: st.new_slots for name, st in steps.items()}, queries,
@@ -103,7 +106,14 @@ class CbAudit:
                 n = min(total, max(1, budget // (row * max(1, len(layers)))))
             toks = (self._wturn + np.arange(n)) % total
             self._wturn = int((self._wturn + n) % total)
-            self.write_tokens = (toks, torch.from_numpy(toks).to(dev))
+            self.write_tokens = (toks, to_device(dev, [toks])[0])
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window layer ``layer`` declares: on its module (Gemma, GPT-OSS), else its layer
+        group's (Mistral); ``None`` for full attention."""
+        m = self.modules.get(layer)
+        g = self.layer_group.get(layer)
+        return getattr(m, "sliding_window", None) or getattr(getattr(g, "allocator", None), "sliding_window", None)
 
     def end(self) -> None:
         self.fa = None
@@ -164,9 +174,9 @@ class CbAudit:
         k_view, v_view = g.allocator._kv_token_views[layer]  # [physical slots, Hkv, D]
         if self.write_tokens is not None and layer in self.stash:
             self._write(layer, g, step, k_view, v_view)
-        picked = self.by_layer.get(layer)
-        if picked:
-            self._audit(module, query, out, picked, g, step, k_view, v_view)
+        plan = self.plans.get(layer)
+        if plan is not None:
+            self._audit(module, query, out, plan, g, step, k_view, v_view)
 
     def _physical(self, g: Any, slots: torch.Tensor) -> torch.Tensor:
         s = slots.clamp(min=0)
@@ -185,13 +195,10 @@ class CbAudit:
         c["write_slots_checked"] += len(host)
         c["write_bytes_checked"] += len(host) * 2 * k_view[0].numel() * k_view.element_size()
 
-    def _audit(self, module: Any, query: torch.Tensor, out: torch.Tensor, picked: list[int], g: Any, step: Any,
+    def _audit(self, module: Any, query: torch.Tensor, out: torch.Tensor, plan: LayerPlan, g: Any, step: Any,
                k_view: torch.Tensor, v_view: torch.Tensor) -> None:
-        fa = self.fa
-        assert fa is not None
+        assert self.fa is not None
         impl = str(getattr(self.prot.model.config, "_attn_implementation", ""))
-        # the window the model declares: on the module (Gemma, GPT-OSS), else its layer group's (Mistral)
-        window = getattr(module, "sliding_window", None) or getattr(g.allocator, "sliding_window", None)
         softcap = getattr(module, "attn_logit_softcapping", None)
         if softcap is not None and "flash" not in impl:
             self._say("softcap", f"kvcanary: the {impl} attention of {type(module).__name__} leaves the model's logit "
@@ -202,39 +209,19 @@ class CbAudit:
             self._say("sinks", f"kvcanary: the sdpa attention of {type(module).__name__} leaves the model's attention "
                       "sinks out; the audit checks the attention it computes, without them")
             sinks = None
-        qs = [fa.queries[i] for i in picked]
-        starts = [max(0, q.position - window + 1) if window else 0 for q in qs]
-        width = max(q.position - s + 1 for q, s in zip(qs, starts))
-        dev = query.device
-        idx = torch.tensor(picked, device=dev)
-        tok, head, row, pos, start, cached = (torch.tensor(x, device=dev) for x in (
-            [q.token for q in qs], [q.head for q in qs], [q.row for q in qs], [q.position for q in qs], starts,
-            [q.cached for q in qs]))
-        grid = start[:, None] + torch.arange(width, device=dev)[None, :]
-        valid = grid <= pos[:, None]
-        slots = step.lookup(row[:, None].expand_as(grid).reshape(-1), torch.minimum(grid, pos[:, None]).reshape(-1))
-        slots = slots.view(grid.shape)
-        complete = (slots >= 0).logical_or(~valid).all(1)  # every position it reads is in the cache
-        valid &= slots >= 0
-        kvh = (head // (query.shape[1] // k_view.shape[1]))[:, None].expand_as(grid)
-        qv = query[0, head, tok]  # [S, D]
-        eng = out[0, tok, head]  # [S, D]
-        sink = sinks.detach()[head] if sinks is not None else None
-        scale = float(module.scaling)
-        tol = self.auditor.tolerance_for(query.dtype)
+        shape = plan.grid.shape
+        slots = step.lookup(plan.row[:, None].expand(shape).reshape(-1), plan.grid.reshape(-1)).view(shape)
+        kvh = (plan.head // (query.shape[1] // k_view.shape[1]))[:, None].expand(shape)
         n = min(k_view.shape[0], v_view.shape[0])
         phys = self._physical(g, slots)
-        errs = []
-        old = grid < cached[:, None]  # the positions cached before this forward
-        for shift in (0, g.stride, -g.stride):  # as read, then every cached block one page on / back
-            p = torch.where(old, phys + shift, phys).clamp(0, n - 1)
-            ref, vmax = attend(qv, k_view[p, kvh], v_view[p, kvh], valid, scale, softcap, sink)
-            errs.append(error(eng, ref, vmax))
-        e = errs[0]
-        explained = torch.where(errs[1] <= tol, 1, torch.where(errs[2] <= tol, -1, 0))
-        fa.err[idx] = torch.where(complete, e, -1.0)  # a query that read KV never cached is not audited
-        fa.shift[idx] = torch.where(e > tol, explained, 0)
-        fa.tol[idx] = tol
+
+        def read(slots: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+            p = torch.where(plan.old, phys + shift * g.stride, phys).clamp(0, n - 1)
+            return k_view[p, kvh], v_view[p, kvh]
+
+        sink = sinks.detach()[plan.head] if sinks is not None else None
+        check_layer(self.fa, plan, slots, query[0, plan.head, plan.token], out[0, plan.token, plan.head], read,
+                    float(module.scaling), softcap, sink, self.auditor.tolerance_for(query.dtype))
 
     def _say(self, key: str, text: str) -> None:
         if key not in self._said:

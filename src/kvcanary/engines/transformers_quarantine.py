@@ -55,7 +55,7 @@ class Quarantine:
                 continue
             block = v.slot // g.tpp
             drop_from_prefix_cache(g.allocator, block)
-            if v.checks & Check.CONTENT:  # its bytes are bad: every holder reads them
+            if v.checks & (Check.CONTENT | Check.WRITE_CONTENT):  # its bytes are bad: every holder reads them
                 self.poisoned.setdefault(g.name, set()).add(block)
         for rid, vs in by_rid.items():
             self._hurt(rid, KvCorruptionError(vs))

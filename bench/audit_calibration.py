@@ -1,0 +1,435 @@
+"""Calibration of the read audit's tolerances (:data:`kvcanary.audit.TOLERANCE`): clean errors
+against injected kernel faults' errors, per compute dtype.
+
+The read audit recomputes sampled attention queries in fp32 from the KV cache and compares them
+with the engine's output; a query's error is max|engine - ref| / max|V read|, and an error above
+the dtype's tolerance is an ``ATTENTION`` violation. A tolerance must sit above every clean error
+(no false positive) and below the errors a kernel fault gives (no missed fault). This measures both:
+
+- **clean**: randomized transformers continuous-batching configurations
+  (:func:`kvcanary.faults.cb_soak.draw_configs`: every architecture of
+  :data:`kvcanary.engines.hf_models.ARCHS`, eager and sdpa attention, GQA, sinks, forks, sampling,
+  tight memory, CPU offload, warm managers, shared prefixes, chunked prefill), each also drawing a
+  compute dtype (float32, bfloat16, float16; the model is converted with ``model.to(dtype)``), run
+  once under ``CanaryConfig(mode="log", content_budget_bytes=None, audit_queries=64)``. Every
+  audited query's error is recorded; violations and internal errors must be 0.
+- **faulty**: each attention-kernel fault class of :data:`kvcanary.faults.runner.KERNEL_FAULTS`
+  (``write_lands_zeros`` aside: the write check finds it, not the audit) injected as
+  :func:`kvcanary.faults.runner.run_transformers` does, on the class's tiny model converted to
+  each dtype, for a few seeds. The errors of the queries the fault affects (from the injection's
+  forward on, on the faulty layer; on the faulty request where the fault has one; where it reaches
+  a query at all: cached positions for a page or prefix fault, queries whose window is full for
+  the window fault) and the ``ATTENTION`` violations reported are recorded.
+
+Prints one progress line per configuration and per faulty run, then the per-dtype summary: clean
+queries audited, p50 / p99 / p99.9 / max clean error and each architecture's maximum; per fault
+class and dtype whether it was detected and the errors of its violations and affected queries;
+the ratio of the smallest faulty error to the largest clean error; the current tolerances. Writes
+everything as one JSON file, ``bench/results/audit_calibration_<commit>.json`` (``--out`` another).
+
+    python bench/audit_calibration.py [--configs 24] [--seed 1] [--fault-seeds 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUDIT_QUERIES = 64
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- recording --------------------------------------------------------------------------------
+
+
+class Recorder:
+    """A protection hook that turns on the auditor's error list (``Auditor.errors``) and records every
+    drained query with its metadata (the drain decodes the pending forwards' device results)."""
+
+    def __init__(self) -> None:
+        self.guard: Any = None
+        self.queries: list[dict[str, Any]] = []
+
+    def __call__(self, prot: Any, runner: Any, batch: dict) -> None:
+        if self.guard is None:
+            self.attach(prot)
+
+    def attach(self, prot: Any) -> None:
+        self.guard = prot
+        auditor = prot.audit.auditor
+        if auditor.errors is None:
+            auditor.errors = []
+        drain = auditor.drain
+
+        def recording_drain() -> list:
+            for fa in auditor.pending:
+                if not fa.queries:
+                    continue
+                for q, e, t in zip(fa.queries, fa.err.tolist(), fa.tol.tolist()):
+                    if e >= 0:
+                        self.queries.append(dict(step=fa.step, layer=q.layer, row=q.row, head=q.head,
+                                                 position=q.position, cached=q.cached, group=q.group,
+                                                 request=prot.request_at(fa.step, q.row), err=e, tol=t))
+            return drain()
+
+        auditor.drain = recording_drain
+
+
+class LogCapture(logging.Handler):
+    """The kvcanary logger's records (violation warnings, notes, internal errors with their tracebacks),
+    kept instead of printed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def errors(self) -> list[str]:
+        fmt = logging.Formatter("%(message)s")
+        return [fmt.format(r) for r in self.records if r.levelno >= logging.ERROR]
+
+    def notes(self) -> list[str]:
+        return sorted({r.getMessage() for r in self.records if r.levelno == logging.WARNING
+                       and r.getMessage().startswith("kvcanary: the ")})
+
+
+@contextlib.contextmanager
+def captured() -> Iterator[LogCapture]:
+    """The engine's loggers down to critical; kvcanary's records captured (not printed)."""
+    quiet = [logging.getLogger(n) for n in ("ContinuousBatchingLogger", "transformers")]
+    kv = logging.getLogger("kvcanary")
+    saved = [(lg, lg.level) for lg in quiet] + [(kv, kv.level)]
+    prop = kv.propagate
+    cap = LogCapture()
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL)
+    kv.setLevel(logging.WARNING)
+    kv.propagate = False
+    kv.addHandler(cap)
+    try:
+        yield cap
+    finally:
+        kv.removeHandler(cap)
+        kv.propagate = prop
+        for lg, level in saved:
+            lg.setLevel(level)
+
+
+# ---- statistics --------------------------------------------------------------------------------
+
+
+def quantile(sorted_vals: list[float], q: float) -> float | None:
+    if not sorted_vals:
+        return None
+    i = min(len(sorted_vals) - 1, max(0, math.ceil(q * len(sorted_vals)) - 1))
+    return sorted_vals[i]
+
+
+def summary(vals: list[float]) -> dict[str, Any]:
+    s = sorted(vals)
+    return {"n": len(s), "p50": quantile(s, 0.5), "p99": quantile(s, 0.99), "p999": quantile(s, 0.999),
+            "max": s[-1] if s else None, "min": s[0] if s else None}
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+# ---- clean -------------------------------------------------------------------------------------
+
+
+def draw_dtypes(n: int, seed: int) -> list[str]:
+    """Each configuration's dtype: a shuffled cycle of the three (balanced), from its own stream so the
+    configurations themselves are :func:`draw_configs`'s."""
+    names = [list(DTYPES)[k % len(DTYPES)] for k in range(n)]
+    random.Random(seed * 7919 + 13).shuffle(names)
+    return names
+
+
+def run_clean(cfg: Any, dtype: str) -> dict[str, Any]:
+    from kvcanary.config import CanaryConfig
+    from kvcanary.engines.hf_models import tiny_arch
+    from kvcanary.faults.cb_soak import session
+
+    t0 = time.perf_counter()
+    model = tiny_arch(cfg.arch, seed=cfg.seed % 1000, layers=cfg.layers).to(DTYPES[dtype])
+    rec = Recorder()
+    with captured() as cap:
+        run = session(model, cfg, CanaryConfig(mode="log", content_budget_bytes=None, audit_queries=AUDIT_QUERIES),
+                      [rec])
+    guard = run.guard
+    st = guard.stats()
+    errs = list(guard.audit.auditor.errors or [])
+    violations = [guard.describe(v) for v in guard.violations]
+    failed = {k: v.error for k, v in run.out.items() if v.error is not None}
+    top = sorted(rec.queries, key=lambda q: -q["err"])[:5]
+    by_group: dict[str, list[float]] = {}
+    for q in rec.queries:
+        by_group.setdefault(str(q["group"]), []).append(q["err"])
+    return {
+        "config": asdict(cfg), "label": cfg.label(), "dtype": dtype, "arch": cfg.arch,
+        "attn_implementation": str(model.config._attn_implementation),
+        "forwards": st["forwards"], "audit_queries": st.get("audit_queries", 0),
+        "audit_forwards_skipped": st.get("audit_forwards_skipped", 0),
+        "write_slots_checked": st.get("write_slots_checked", 0),
+        "queries_audited": len(errs), "errors_recorded_with_metadata": len(rec.queries),
+        "error": summary(errs), "max_by_group": {g: max(v) for g, v in by_group.items()},
+        "top_queries": top,
+        "violations": len(violations), "violation_text": violations[:10],
+        "internal_errors": st.get("internal_errors", 0), "internal_error_text": cap.errors()[:5],
+        "notes": cap.notes(), "request_errors": len(failed), "first_request_error": next(iter(failed.values()), None),
+        "missing_requests": cfg.requests * cfg.forks - len(run.out), "exception": run.error,
+        "events": run.events, "seconds": round(time.perf_counter() - t0, 2),
+        "_errors": errs,
+    }
+
+
+# ---- faulty ------------------------------------------------------------------------------------
+
+
+def affected(name: str, q: dict[str, Any], fault: Any) -> bool:
+    """Whether the fault reaches query ``q`` (a drained query's record)."""
+    d = fault.detail
+    if fault.injected_at is None or q["step"] < fault.injected_at or q["layer"] != d.get("layer"):
+        return False
+    if name in ("read_next_page", "ignore_prefix"):  # one request's cached positions
+        return q["request"] == d.get("request") and q["cached"] > 0
+    if name == "window_one_short":  # the oldest position of a full window is left out
+        return q["position"] + 1 - int(d["window"]) >= 0
+    return True  # heads_reversed, v_rescaled, scale_of_one: every query of the layer
+
+
+def run_faulty(fc: Any, dtype: str, seed: int) -> dict[str, Any]:
+    """:func:`kvcanary.faults.runner._run_transformers` with the audit on, on the class's model in
+    ``dtype``, recording every audited query."""
+    from kvcanary.config import CanaryConfig
+    from kvcanary.engines.transformers import cb_configs, protect
+    from kvcanary.faults.runner import CB_FAULTS, FULL_AUDIT, KERNEL_FAULTS, transformers_model
+    from kvcanary.faults.transformers_cb import CbFault
+    from kvcanary.violations import Check
+
+    t0 = time.perf_counter()
+    model = transformers_model(fc).to(DTYPES[dtype])
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
+    prompts = [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))] for _ in range(20)]
+    gen, cb = cb_configs(max_new_tokens=10)
+    injector = {**CB_FAULTS, **KERNEL_FAULTS}[fc.name]
+    fault = CbFault(injector, at=3, seed=seed)
+    config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=True, audit_queries=FULL_AUDIT)
+    rec = Recorder()
+    with captured() as cap, torch.inference_mode(), protect(model, config) as guard:
+        rec.attach(guard)
+        guard.hooks.append(fault)
+        model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    st = guard.stats()
+    at = fault.injected_at
+    early = [guard.describe(v) for v in guard.violations if at is None or v.step < at]
+    hits = [v for v in guard.violations if v.checks & Check.ATTENTION and at is not None and v.step >= at]
+    others = [guard.describe(v) for v in guard.violations
+              if at is not None and v.step >= at and not v.checks & Check.ATTENTION]
+    hit_err = [v.stored_link / 1e6 for v in hits]
+    hit_tol = sorted({v.expected_link / 1e6 for v in hits})
+    aff = [q for q in rec.queries if affected(injector, q, fault)]
+    aff_err = [q["err"] for q in aff]
+    before = [q["err"] for q in rec.queries if at is None or q["step"] < at]
+    after_other = [q["err"] for q in rec.queries if at is not None and q["step"] >= at and q not in aff]
+    tol = aff[0]["tol"] if aff else (rec.queries[0]["tol"] if rec.queries else None)
+    return {
+        "fault": fc.name, "injector": injector, "dtype": dtype, "seed": seed, "injected_at": at,
+        "landed_at": fault.landed_at, "detail": {k: v for k, v in fault.detail.items() if k != "watch_block"},
+        "detected": bool(hits), "tolerance": tol, "violation_tolerances": hit_tol,
+        "violations": len(hits), "violation_error": summary(hit_err),
+        "violation_median": quantile(sorted(hit_err), 0.5),
+        "first_violation": guard.describe(hits[0]) if hits else None,
+        "affected_queries": len(aff), "affected_error": summary(aff_err),
+        "affected_median": quantile(sorted(aff_err), 0.5),
+        "affected_p10": quantile(sorted(aff_err), 0.1),
+        "affected_above_tolerance": sum(e > (tol or 0) for e in aff_err),
+        "clean_queries_before_injection": summary(before),
+        "unaffected_queries_after_injection": summary(after_other),
+        "false_positives_before_injection": early[:5], "other_violations": others[:5],
+        "forwards": st["forwards"], "audit_queries": st.get("audit_queries", 0),
+        "internal_errors": st.get("internal_errors", 0), "internal_error_text": cap.errors()[:5],
+        "seconds": round(time.perf_counter() - t0, 2),
+        "_affected": aff_err,
+    }
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", type=int, default=24, help="clean configurations (default 24)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the clean configurations' draw")
+    ap.add_argument("--fault-seeds", type=int, default=2, help="seeds per fault class and dtype (default 2)")
+    ap.add_argument("--quick", action="store_true", help="4 clean configurations, 1 fault seed")
+    ap.add_argument("--out", help="the JSON file (default bench/results/audit_calibration_<commit>.json)")
+    ap.add_argument("--no-faults", action="store_true", help="clean configurations only")
+    args = ap.parse_args()
+    if args.quick:
+        args.configs, args.fault_seeds = 4, 1
+    torch.set_num_threads(1)
+
+    from kvcanary.audit import TOLERANCE
+    from kvcanary.faults.catalog import BY_NAME
+    from kvcanary.faults.cb_soak import draw_configs
+    from kvcanary.faults.runner import KERNEL_FAULTS
+
+    rev = commit()
+    t_start = time.perf_counter()
+    tolerances = {name: TOLERANCE[dt] for name, dt in DTYPES.items()}
+    print(f"audit calibration at {rev}: {args.configs} clean configurations (seed {args.seed}), "
+          f"{args.fault_seeds} fault seed(s); tolerances {tolerances}", flush=True)
+
+    # clean
+    configs = draw_configs(args.configs, args.seed)
+    dtypes = draw_dtypes(args.configs, args.seed)
+    clean: list[dict[str, Any]] = []
+    errs_by_dtype: dict[str, list[float]] = {d: [] for d in DTYPES}
+    arch_max: dict[str, dict[str, float]] = {d: {} for d in DTYPES}
+    for k, (cfg, dtype) in enumerate(zip(configs, dtypes)):
+        with contextlib.redirect_stdout(sys.stderr):
+            res = run_clean(cfg, dtype)
+        errs = res.pop("_errors")
+        errs_by_dtype[dtype] += errs
+        if errs:
+            arch_max[dtype][cfg.arch] = max(arch_max[dtype].get(cfg.arch, 0.0), max(errs))
+        clean.append(res)
+        bad = [f"{res['violations']} VIOLATION(S)" if res["violations"] else "",
+               f"{res['internal_errors']} INTERNAL ERROR(S)" if res["internal_errors"] else "",
+               f"{res['request_errors']} failed requests" if res["request_errors"] else "",
+               f"exception {res['exception']}" if res["exception"] else ""]
+        print(f"[clean {k + 1}/{len(configs)}] {dtype:8s} {res['label']} ({res['attn_implementation']}): "
+              f"{res['forwards']} forwards, {res['queries_audited']} queries, max error {fmt(res['error']['max'])} "
+              f"(tol {tolerances[dtype]:g}) {' '.join(b for b in bad if b)} ({res['seconds']:.1f} s)", flush=True)
+        for text in res["violation_text"][:3] + res["internal_error_text"][:2]:
+            print(f"    {text.splitlines()[0] if text else text}", flush=True)
+
+    # faulty
+    faulty: list[dict[str, Any]] = []
+    classes = [name for name in KERNEL_FAULTS if name != "write_lands_zeros"]
+    if not args.no_faults:
+        total = len(classes) * len(DTYPES) * args.fault_seeds
+        n = 0
+        for name in classes:
+            for dtype in DTYPES:
+                for seed in range(args.fault_seeds):
+                    n += 1
+                    with contextlib.redirect_stdout(sys.stderr):
+                        res = run_faulty(BY_NAME[name], dtype, seed)
+                    faulty.append(res)
+                    print(f"[fault {n}/{total}] {dtype:8s} {name} seed={seed}: injected at forward "
+                          f"{res['injected_at']}, {'detected' if res['detected'] else 'MISSED'} "
+                          f"({res['violations']} violations, min error {fmt(res['violation_error']['min'])}); "
+                          f"{res['affected_queries']} affected queries: min {fmt(res['affected_error']['min'])}, "
+                          f"median {fmt(res['affected_median'])}, {res['affected_above_tolerance']} above tol "
+                          f"{fmt(res['tolerance'])}"
+                          f"{'; FALSE POSITIVE before injection' if res['false_positives_before_injection'] else ''}"
+                          f"{'; ' + str(res['internal_errors']) + ' INTERNAL ERROR(S)' if res['internal_errors'] else ''}"
+                          f" ({res['seconds']:.1f} s)", flush=True)
+
+    # summary
+    report: dict[str, Any] = {"commit": rev, "seed": args.seed, "configs": args.configs,
+                              "fault_seeds": args.fault_seeds, "audit_queries": AUDIT_QUERIES,
+                              "torch": torch.__version__, "tolerances": tolerances, "dtypes": {}}
+    try:
+        import transformers
+        report["transformers"] = transformers.__version__
+    except Exception:
+        pass
+    print("\n== clean (per dtype) ==")
+    print(f"{'dtype':9s} {'configs':>7s} {'queries':>8s} {'p50':>9s} {'p99':>9s} {'p99.9':>9s} {'max':>9s} "
+          f"{'tol':>7s} {'viol':>5s} {'int.err':>7s}  per-arch max")
+    for d in DTYPES:
+        s = summary(errs_by_dtype[d])
+        rows = [r for r in clean if r["dtype"] == d]
+        viol = sum(r["violations"] for r in rows)
+        ierr = sum(r["internal_errors"] for r in rows)
+        arch = ", ".join(f"{a}={fmt(v)}" for a, v in sorted(arch_max[d].items()))
+        print(f"{d:9s} {len(rows):7d} {s['n']:8d} {fmt(s['p50']):>9s} {fmt(s['p99']):>9s} {fmt(s['p999']):>9s} "
+              f"{fmt(s['max']):>9s} {tolerances[d]:7.0e} {viol:5d} {ierr:7d}  {arch}")
+        report["dtypes"][d] = {"clean": {**s, "configs": len(rows), "violations": viol, "internal_errors": ierr,
+                                         "per_arch_max": arch_max[d]}}
+    if faulty:
+        print("\n== faulty (per class and dtype; errors of ATTENTION violations / of the affected queries) ==")
+        print(f"{'class':22s} {'dtype':9s} {'detected':>9s} {'viol':>5s} {'viol min':>9s} {'viol med':>9s} "
+              f"{'aff':>5s} {'aff min':>9s} {'aff p10':>9s} {'aff med':>9s} {'aff>tol':>8s}")
+        for name in classes:
+            for d in DTYPES:
+                runs = [r for r in faulty if r["fault"] == name and r["dtype"] == d]
+                aff = sorted(e for r in runs for e in r["_affected"])
+                vmins = [r["violation_error"]["min"] for r in runs if r["violation_error"]["min"] is not None]
+                vmeds = [r["violation_median"] for r in runs if r["violation_median"] is not None]
+                detected = f"{sum(r['detected'] for r in runs)}/{len(runs)}"
+                above = sum(r["affected_above_tolerance"] for r in runs)
+                row = {"runs": len(runs), "detected_runs": sum(r["detected"] for r in runs),
+                       "violations": sum(r["violations"] for r in runs),
+                       "violation_min": min(vmins) if vmins else None,
+                       "violation_median_of_runs": sorted(vmeds)[len(vmeds) // 2] if vmeds else None,
+                       "affected_queries": len(aff), "affected_min": aff[0] if aff else None,
+                       "affected_p10": quantile(aff, 0.1), "affected_median": quantile(aff, 0.5),
+                       "affected_above_tolerance": above}
+                report["dtypes"][d].setdefault("faulty", {})[name] = row
+                print(f"{name:22s} {d:9s} {detected:>9s} {row['violations']:5d} {fmt(row['violation_min']):>9s} "
+                      f"{fmt(row['violation_median_of_runs']):>9s} {len(aff):5d} {fmt(row['affected_min']):>9s} "
+                      f"{fmt(row['affected_p10']):>9s} {fmt(row['affected_median']):>9s} {above:>5d}/{len(aff)}")
+        print("\n== margins (per dtype) ==")
+        for d in DTYPES:
+            cmax = report["dtypes"][d]["clean"]["max"]
+            rows = report["dtypes"][d]["faulty"]
+            vmin = min((r["violation_min"] for r in rows.values() if r["violation_min"] is not None), default=None)
+            amin = min((r["affected_min"] for r in rows.values() if r["affected_min"] is not None), default=None)
+            p10 = min((r["affected_p10"] for r in rows.values() if r["affected_p10"] is not None), default=None)
+            missed = [n for n, r in rows.items() if r["detected_runs"] < r["runs"]]
+            ratio = (lambda x: None if x is None or not cmax else x / cmax)
+            m = {"clean_max": cmax, "smallest_violation_error": vmin, "smallest_affected_error": amin,
+                 "smallest_affected_p10": p10, "ratio_violation_min_to_clean_max": ratio(vmin),
+                 "ratio_affected_min_to_clean_max": ratio(amin), "ratio_affected_p10_to_clean_max": ratio(p10),
+                 "tolerance": tolerances[d], "tolerance_over_clean_max": ratio(tolerances[d]),
+                 "classes_missed_in_some_run": missed}
+            report["dtypes"][d]["margin"] = m
+            print(f"{d:9s} clean max {fmt(cmax)}; tolerance {tolerances[d]:g} ({fmt(m['tolerance_over_clean_max'])}x "
+                  f"the clean max); smallest violation error {fmt(vmin)} ({fmt(m['ratio_violation_min_to_clean_max'])}x); "
+                  f"smallest affected-query error {fmt(amin)} ({fmt(m['ratio_affected_min_to_clean_max'])}x), "
+                  f"smallest class p10 {fmt(p10)} ({fmt(m['ratio_affected_p10_to_clean_max'])}x); "
+                  f"missed: {', '.join(missed) or 'none'}")
+    for r in faulty:
+        r.pop("_affected", None)
+    report["clean_runs"] = clean
+    report["faulty_runs"] = faulty
+    report["wall_s"] = round(time.perf_counter() - t_start, 1)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"audit_calibration_{rev}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"\nwrote {out} ({report['wall_s']:.0f} s)", flush=True)
+    bad = sum(r["violations"] + r["internal_errors"] for r in clean)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
