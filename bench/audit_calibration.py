@@ -282,6 +282,16 @@ def commit() -> str:
         return "unknown"
 
 
+def src_changes() -> list[str]:
+    """Files under src/ that differ from the commit (the measurement is of the working tree)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+        return [line[3:] for line in out.splitlines() if line.strip()]
+    except Exception:
+        return ["unknown"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", type=int, default=24, help="clean configurations (default 24)")
@@ -301,6 +311,9 @@ def main() -> int:
     from kvcanary.faults.runner import KERNEL_FAULTS
 
     rev = commit()
+    dirty = src_changes()
+    if dirty:
+        print(f"note: src/ differs from {rev}: {', '.join(dirty)}", flush=True)
     t_start = time.perf_counter()
     tolerances = {name: TOLERANCE[dt] for name, dt in DTYPES.items()}
     print(f"audit calibration at {rev}: {args.configs} clean configurations (seed {args.seed}), "
@@ -354,7 +367,7 @@ def main() -> int:
                           f" ({res['seconds']:.1f} s)", flush=True)
 
     # summary
-    report: dict[str, Any] = {"commit": rev, "seed": args.seed, "configs": args.configs,
+    report: dict[str, Any] = {"commit": rev, "src_changes": src_changes(), "seed": args.seed, "configs": args.configs,
                               "fault_seeds": args.fault_seeds, "audit_queries": AUDIT_QUERIES,
                               "torch": torch.__version__, "tolerances": tolerances, "dtypes": {}}
     try:

@@ -6,12 +6,17 @@ median of each is reported (``overhead_pct``), and so is the canary's own host t
 run without it (``canary_time_pct``), which a shared, noisy machine disturbs less. One JSON line
 per workload.
 
+``--audit`` adds a run of the canary without its write check and read audit (``kvcanary.audit``) to
+each round, alternating with the default one, so the audit's share is the difference of two
+canary-time shares from the same run (``audit_points``: percentage points of the run without the
+canary; ``audit_us_per_forward``).
+
 ``--priorities`` adds a third run to each round: the canary without its content priorities (no
 patrol scrub, no first-read verification of prefix hits, no guard slots), so their cost per
 forward is the difference of the medians of two figures from the same run
 (``priorities_us_per_forward``; ``priorities_pct`` against the run without the canary).
 
-    python bench/transformers_cb.py [--repeats 5] [--device cpu|cuda] [--priorities]
+    python bench/transformers_cb.py [--repeats 5] [--device cpu|cuda] [--priorities] [--audit] [--threads N]
 """
 
 from __future__ import annotations
@@ -65,7 +70,14 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
     ap.add_argument("--priorities", action="store_true",
                     help="also run the canary without its content priorities (patrol, first reads, guards)")
+    ap.add_argument("--audit", action="store_true",
+                    help="also run the canary without its write check and read audit, alternating")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.audit and args.priorities:
+        ap.error("--audit and --priorities: one comparison per run")
     model = tiny_model(seed=0, layers=args.layers, hidden=args.hidden).to(args.device)
     for name in args.workloads.split(","):
         n, prefix, tail, new = WORKLOADS[name]
@@ -73,13 +85,18 @@ def main() -> None:
         gen, cb = cb_configs(max_new_tokens=new, num_blocks=256, max_batch_tokens=256)
 
         def run(on: bool, plain: bool = False) -> tuple[float, dict]:
+            """``plain``: without the priorities (``--priorities``) or without the audit (``--audit``)."""
             if args.device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
             with torch.inference_mode():
                 if on:
-                    cfg = CanaryConfig(mode="log", backend=args.backend, patrol_budget_bytes=0 if plain else "auto")
-                    with protect(model, cfg) as guard, (without_priorities() if plain else contextlib.nullcontext()):
+                    cfg = CanaryConfig(mode="log", backend=args.backend,
+                                       patrol_budget_bytes=0 if plain and args.priorities else "auto",
+                                       write_check=not (plain and args.audit),
+                                       audit_queries=0 if plain and args.audit else 4)
+                    no_priorities = plain and args.priorities
+                    with protect(model, cfg) as guard, (without_priorities() if no_priorities else contextlib.nullcontext()):
                         model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb)
                     stats = guard.stats()
                 else:
@@ -97,7 +114,7 @@ def main() -> None:
             off.append(run(False)[0])
             # with --priorities the two canary runs swap places every round: the run right after the
             # one without the canary is measurably slower on a small CPU, whichever it is
-            order = ((True, False) if i % 2 == 0 else (False, True)) if args.priorities else (True,)
+            order = ((True, False) if i % 2 == 0 else (False, True)) if args.priorities or args.audit else (True,)
             for variant in order:
                 if variant:
                     t, stats = run(True)
@@ -109,8 +126,16 @@ def main() -> None:
                     us_plain.append(per_fwd(pstats))
         m_off, m_on = statistics.median(off), statistics.median(on)
         tokens = n * new
-        extra = {}
-        if plain:
+        extra: dict = {}
+        if plain and args.audit:
+            d_us = statistics.median(us_on) - statistics.median(us_plain)
+            extra = {"canary_us_per_forward_median": round(statistics.median(us_on), 1),
+                     "canary_us_per_forward_without_audit_median": round(statistics.median(us_plain), 1),
+                     "audit_us_per_forward": round(d_us, 1),
+                     "audit_points": round(100 * d_us * stats.get("forwards", 0) / 1e6 / m_off, 2),
+                     "overhead_pct_without_audit": round(100 * (statistics.median(plain) - m_off) / m_off, 2),
+                     "audit_queries": stats.get("audit_queries"), "write_slots_checked": stats.get("write_slots_checked")}
+        elif plain:
             d_us = statistics.median(us_on) - statistics.median(us_plain)
             extra = {"overhead_pct_without_priorities": round(100 * (statistics.median(plain) - m_off) / m_off, 2),
                      "canary_us_per_forward_median": round(statistics.median(us_on), 1),

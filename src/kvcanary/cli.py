@@ -314,7 +314,9 @@ def _selftest(args: argparse.Namespace) -> int:
             "harmful_tokens_max") is None else f"{r['harmful_tokens_max']}t"  # engine rows: tokens
         fired = ",".join(r["checks_fired"]) or (str(r.get("why", "")) if r["status"] == "miss" else "")  # type: ignore[arg-type]
         zoo = ",".join(r["zoo"])  # type: ignore[arg-type]
-        mark = "" if r["status"] in ("ok", "miss") else "   <-- FAIL"
+        if r.get("missed_without_audit") is not None:
+            fired += f" (without the audit: missed {r['missed_without_audit']}/{r['runs']})"
+        mark = "" if r["status"] in ("ok", "miss", "not run") else "   <-- FAIL"
         print(f"{r['fault']:<30} {zoo:<15} {r['expected']:<16} {r['engine']:<13} {det:<9} {fwd_s:<5} {harm:<5} "
               f"{fired}{mark}")
     if soak["ran"]:
@@ -416,6 +418,8 @@ def _row(fault: str, zoo: Sequence[str], expected: str, engine: str, deadline: i
         "harmful_reads_max": max(harm) if harm else None,
         "harmful_tokens_max": max(tokens) if tokens else None,
         "first_detections": [r.first for r in results],
+        "missed_without_audit": (None if all(getattr(r, "missed_without_audit", None) is None for r in results)
+                                 else sum(bool(r.missed_without_audit) for r in results)),
         "details": [r.detail for r in results],
         "status": "ok" if good else "FAIL",
         "failures": [r.to_dict() for r in results if not r.ok],
