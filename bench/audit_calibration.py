@@ -27,7 +27,14 @@ class and dtype whether it was detected and the errors of its violations and aff
 the ratio of the smallest faulty error to the largest clean error; the current tolerances. Writes
 everything as one JSON file, ``bench/results/audit_calibration_<commit>.json`` (``--out`` another).
 
-    python bench/audit_calibration.py [--configs 24] [--seed 1] [--fault-seeds 2] [--quick]
+The tiny models have random weights and attend almost uniformly (|logit| below ~0.3); trained
+models' logits reach ~10-30, where a kernel that rounds the logits to the compute dtype errs more,
+and where a wrong scale or a missing position moves the output more. ``--sharpen F`` multiplies
+every attention module's softmax scale by ``F`` (the engine and the audit both read it, so runs
+stay clean) to measure both at that size: ``--sharpen 100`` gives logits of about 2 on average and
+13 at most; its file is ``audit_calibration_sharpen<F>_<commit>.json``.
+
+    python bench/audit_calibration.py [--configs 24] [--seed 1] [--fault-seeds 2] [--quick] [--sharpen 100]
 """
 
 from __future__ import annotations
@@ -150,6 +157,17 @@ def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def sharpen(model: Any, factor: float) -> Any:
+    """Multiply every attention module's softmax scale by ``factor`` (the engine and the audit both read
+    ``module.scaling``, so a run stays clean): random-weight tiny models attend almost uniformly
+    (|logit| below ~0.3), trained ones with logits of ~10-30, where rounding the logits costs more."""
+    if factor != 1:
+        for m in model.modules():
+            if hasattr(m, "layer_idx") and hasattr(m, "scaling"):
+                m.scaling = float(m.scaling) * factor
+    return model
+
+
 # ---- clean -------------------------------------------------------------------------------------
 
 
@@ -161,13 +179,13 @@ def draw_dtypes(n: int, seed: int) -> list[str]:
     return names
 
 
-def run_clean(cfg: Any, dtype: str) -> dict[str, Any]:
+def run_clean(cfg: Any, dtype: str, factor: float = 1.0) -> dict[str, Any]:
     from kvcanary.config import CanaryConfig
     from kvcanary.engines.hf_models import tiny_arch
     from kvcanary.faults.cb_soak import session
 
     t0 = time.perf_counter()
-    model = tiny_arch(cfg.arch, seed=cfg.seed % 1000, layers=cfg.layers).to(DTYPES[dtype])
+    model = sharpen(tiny_arch(cfg.arch, seed=cfg.seed % 1000, layers=cfg.layers).to(DTYPES[dtype]), factor)
     rec = Recorder()
     with captured() as cap:
         run = session(model, cfg, CanaryConfig(mode="log", content_budget_bytes=None, audit_queries=AUDIT_QUERIES),
@@ -214,7 +232,7 @@ def affected(name: str, q: dict[str, Any], fault: Any) -> bool:
     return True  # heads_reversed, v_rescaled, scale_of_one: every query of the layer
 
 
-def run_faulty(fc: Any, dtype: str, seed: int) -> dict[str, Any]:
+def run_faulty(fc: Any, dtype: str, seed: int, factor: float = 1.0) -> dict[str, Any]:
     """:func:`kvcanary.faults.runner._run_transformers` with the audit on, on the class's model in
     ``dtype``, recording every audited query."""
     from kvcanary.config import CanaryConfig
@@ -224,7 +242,7 @@ def run_faulty(fc: Any, dtype: str, seed: int) -> dict[str, Any]:
     from kvcanary.violations import Check
 
     t0 = time.perf_counter()
-    model = transformers_model(fc).to(DTYPES[dtype])
+    model = sharpen(transformers_model(fc).to(DTYPES[dtype]), factor)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
     prompts = [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))] for _ in range(20)]
@@ -300,6 +318,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 clean configurations, 1 fault seed")
     ap.add_argument("--out", help="the JSON file (default bench/results/audit_calibration_<commit>.json)")
     ap.add_argument("--no-faults", action="store_true", help="clean configurations only")
+    ap.add_argument("--sharpen", type=float, default=1.0,
+                    help="multiply every attention's softmax scale by this (logits of trained-model size: ~100)")
     args = ap.parse_args()
     if args.quick:
         args.configs, args.fault_seeds = 4, 1
@@ -317,7 +337,7 @@ def main() -> int:
     t_start = time.perf_counter()
     tolerances = {name: TOLERANCE[dt] for name, dt in DTYPES.items()}
     print(f"audit calibration at {rev}: {args.configs} clean configurations (seed {args.seed}), "
-          f"{args.fault_seeds} fault seed(s); tolerances {tolerances}", flush=True)
+          f"{args.fault_seeds} fault seed(s), sharpen {args.sharpen:g}; tolerances {tolerances}", flush=True)
 
     # clean
     configs = draw_configs(args.configs, args.seed)
@@ -327,7 +347,7 @@ def main() -> int:
     arch_max: dict[str, dict[str, float]] = {d: {} for d in DTYPES}
     for k, (cfg, dtype) in enumerate(zip(configs, dtypes)):
         with contextlib.redirect_stdout(sys.stderr):
-            res = run_clean(cfg, dtype)
+            res = run_clean(cfg, dtype, args.sharpen)
         errs = res.pop("_errors")
         errs_by_dtype[dtype] += errs
         if errs:
@@ -354,7 +374,7 @@ def main() -> int:
                 for seed in range(args.fault_seeds):
                     n += 1
                     with contextlib.redirect_stdout(sys.stderr):
-                        res = run_faulty(BY_NAME[name], dtype, seed)
+                        res = run_faulty(BY_NAME[name], dtype, seed, args.sharpen)
                     faulty.append(res)
                     print(f"[fault {n}/{total}] {dtype:8s} {name} seed={seed}: injected at forward "
                           f"{res['injected_at']}, {'detected' if res['detected'] else 'MISSED'} "
@@ -368,7 +388,7 @@ def main() -> int:
 
     # summary
     report: dict[str, Any] = {"commit": rev, "src_changes": src_changes(), "seed": args.seed, "configs": args.configs,
-                              "fault_seeds": args.fault_seeds, "audit_queries": AUDIT_QUERIES,
+                              "fault_seeds": args.fault_seeds, "sharpen": args.sharpen, "audit_queries": AUDIT_QUERIES,
                               "torch": torch.__version__, "tolerances": tolerances, "dtypes": {}}
     try:
         import transformers
@@ -391,7 +411,7 @@ def main() -> int:
     if faulty:
         print("\n== faulty (per class and dtype; errors of ATTENTION violations / of the affected queries) ==")
         print(f"{'class':22s} {'dtype':9s} {'detected':>9s} {'viol':>5s} {'viol min':>9s} {'viol med':>9s} "
-              f"{'aff':>5s} {'aff min':>9s} {'aff p10':>9s} {'aff med':>9s} {'aff>tol':>8s}")
+              f"{'aff':>5s} {'aff min':>9s} {'aff p10':>9s} {'aff med':>9s} {'aff>tol':>10s} {'detect<':>9s}")
         for name in classes:
             for d in DTYPES:
                 runs = [r for r in faulty if r["fault"] == name and r["dtype"] == d]
@@ -406,11 +426,15 @@ def main() -> int:
                        "violation_median_of_runs": sorted(vmeds)[len(vmeds) // 2] if vmeds else None,
                        "affected_queries": len(aff), "affected_min": aff[0] if aff else None,
                        "affected_p10": quantile(aff, 0.1), "affected_median": quantile(aff, 0.5),
-                       "affected_above_tolerance": above}
+                       "affected_above_tolerance": above,
+                       # the loosest tolerance that still detects every run: the smallest run maximum
+                       "detect_threshold": min((r["affected_error"]["max"] for r in runs
+                                                if r["affected_error"]["max"] is not None), default=None)}
                 report["dtypes"][d].setdefault("faulty", {})[name] = row
                 print(f"{name:22s} {d:9s} {detected:>9s} {row['violations']:5d} {fmt(row['violation_min']):>9s} "
                       f"{fmt(row['violation_median_of_runs']):>9s} {len(aff):5d} {fmt(row['affected_min']):>9s} "
-                      f"{fmt(row['affected_p10']):>9s} {fmt(row['affected_median']):>9s} {above:>5d}/{len(aff)}")
+                      f"{fmt(row['affected_p10']):>9s} {fmt(row['affected_median']):>9s} {f'{above}/{len(aff)}':>10s} "
+                      f"{fmt(row['detect_threshold']):>9s}")
         print("\n== margins (per dtype) ==")
         for d in DTYPES:
             cmax = report["dtypes"][d]["clean"]["max"]
@@ -419,24 +443,31 @@ def main() -> int:
             amin = min((r["affected_min"] for r in rows.values() if r["affected_min"] is not None), default=None)
             p10 = min((r["affected_p10"] for r in rows.values() if r["affected_p10"] is not None), default=None)
             missed = [n for n, r in rows.items() if r["detected_runs"] < r["runs"]]
+            thr = {n: r["detect_threshold"] for n, r in rows.items() if r["detect_threshold"] is not None}
+            tight = min(thr, key=lambda n: thr[n]) if thr else None
             ratio = (lambda x: None if x is None or not cmax else x / cmax)
             m = {"clean_max": cmax, "smallest_violation_error": vmin, "smallest_affected_error": amin,
                  "smallest_affected_p10": p10, "ratio_violation_min_to_clean_max": ratio(vmin),
                  "ratio_affected_min_to_clean_max": ratio(amin), "ratio_affected_p10_to_clean_max": ratio(p10),
                  "tolerance": tolerances[d], "tolerance_over_clean_max": ratio(tolerances[d]),
-                 "classes_missed_in_some_run": missed}
+                 "classes_missed_in_some_run": missed, "tightest_class": tight,
+                 "smallest_detect_threshold": thr.get(tight) if tight else None,
+                 "ratio_detect_threshold_to_clean_max": ratio(thr.get(tight)) if tight else None}
             report["dtypes"][d]["margin"] = m
             print(f"{d:9s} clean max {fmt(cmax)}; tolerance {tolerances[d]:g} ({fmt(m['tolerance_over_clean_max'])}x "
                   f"the clean max); smallest violation error {fmt(vmin)} ({fmt(m['ratio_violation_min_to_clean_max'])}x); "
                   f"smallest affected-query error {fmt(amin)} ({fmt(m['ratio_affected_min_to_clean_max'])}x), "
                   f"smallest class p10 {fmt(p10)} ({fmt(m['ratio_affected_p10_to_clean_max'])}x); "
+                  f"every run detected below {fmt(m['smallest_detect_threshold'])} ({tight}; "
+                  f"{fmt(m['ratio_detect_threshold_to_clean_max'])}x the clean max); "
                   f"missed: {', '.join(missed) or 'none'}")
     for r in faulty:
         r.pop("_affected", None)
     report["clean_runs"] = clean
     report["faulty_runs"] = faulty
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"audit_calibration_{rev}.json"
+    tag = f"sharpen{args.sharpen:g}_" if args.sharpen != 1 else ""
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"audit_calibration_{tag}{rev}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"\nwrote {out} ({report['wall_s']:.0f} s)", flush=True)

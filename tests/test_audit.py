@@ -86,6 +86,7 @@ def test_every_audit_class_is_a_detection_with_a_transformers_injector():
 def test_each_kernel_fault_is_found_with_the_audit_and_missed_without(name):
     r = runner.run_transformers(BY_NAME[name], seed=0)
     assert r.detected and r.missed_without_audit and r.ok, r.to_dict()
+    assert r.detail["output_changed_without_audit"], "the fault must change the generated tokens: a real miss"
     assert r.forwards_to_detect == 1
     if name == "attention_read_bug":  # the evidence names the page shift
         assert "1 block(s) on explains it" in r.first

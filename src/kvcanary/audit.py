@@ -213,8 +213,8 @@ class Auditor:
             heads = w.head.tolist()
             for t, h, hd in zip(w.tokens, half, heads):
                 if h:
-                    out.append(Violation(Site.WRITE, Check.WRITE_CONTENT, fa.step, fa.rows[t], _slot(fa, w.group, t),
-                                         fa.positions[t], hd, h, -1, 0, 0, 0, 0, w.layer, group=w.group))
+                    out.append(Violation(Site.WRITE, Check.WRITE_CONTENT, fa.step, int(fa.rows[t]), _slot(fa, w.group, t),
+                                         int(fa.positions[t]), hd, h, -1, 0, 0, 0, 0, w.layer, group=w.group))
         return out
 
     def stats(self) -> dict[str, int]:

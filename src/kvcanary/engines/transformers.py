@@ -111,7 +111,7 @@ class Protection(Adapter):
                     f"protection is not supported: use the outer guard, or exit it before protecting again")
             cb_hooks.install()
             cb_hooks.ACTIVE[id(self.model)] = self
-            if self.audit.on:  # the attention modules whose forwards are audited
+            if self.config.mode != "off":  # the attention modules whose forwards are audited
                 for m in self.model.modules():
                     if hasattr(m, "layer_idx") and hasattr(m, "scaling"):
                         cb_hooks.AUDITED[id(m)] = self.audit

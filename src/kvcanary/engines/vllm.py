@@ -45,6 +45,7 @@ from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.base import Adapter
 from kvcanary.engines import vllm_heal, vllm_transfer
+from kvcanary.engines.vllm_audit import VllmAudit
 from kvcanary.engines.vllm_groups import GroupPlan, plan_groups, single_group
 from kvcanary.engines.vllm_sched import CanaryMeta, SchedulerSide
 from kvcanary.engines.vllm_steps import (ReqStep, Rows, block_slots, build_step, match_rows, rolled_back,
@@ -107,6 +108,8 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         self._seen: set[str] = set()  # requests whose first read of cached KV was verified
         self._meta = CanaryMeta()
         self.kv_caches: dict[str, torch.Tensor] = {}
+        heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self.audit = VllmAudit(self, int(heads))  # the write check and read audit in each attention layer
 
     # ---- worker side --------------------------------------------------------------------------
 
@@ -151,6 +154,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         for p in covered:
             name = "kv" if len(covered) == 1 else f"g{p.index}"
             self.groups.append(_Group(p, name, self._canary_for(p, kv_caches)))
+        self.audit.register(self.groups, lambda t: _cpu_isa(t.dtype, int(t.shape[2]), int(t.shape[3]) // 2), kv_caches)
 
     def _canary_for(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor]) -> Canary:
         """A group's canary: its layers' bytes described by the CPU kernels' layout, the null block
@@ -240,6 +244,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         for g in live:
             assert g.step is not None
             g.canary.before_forward(g.step)
+        self.audit.begin(live, rows)
 
     def _release_other_groups(self, live: list[_Group]) -> None:
         """Block ids are shared by every KV cache group and the groups' layers overlay one memory: a
@@ -291,6 +296,9 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
             group = g.name if len(self.groups) > 1 else None
             found += [dataclasses.replace(self._first_reader(g.name, v) if v.site == Site.FIRST_READ
                                           else _named(v, rows.rids), group=group) for v in g.canary.drain()]
+        one = len(self.groups) == 1
+        found += [dataclasses.replace(_named(v, rows.rids), group=None if one else v.group) for v in self.audit.drain()]
+        self.audit.end()
         self.forwards += 1
         self.report_and_heal(found)
         self.publish_metrics()
@@ -359,10 +367,12 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         plans = self.plans or []
         out["kv_cache_groups"] = len(plans) or len(self.groups)
         out["kv_cache_groups_covered"] = len(self.groups)
+        out.update(self.audit.stats())
 
         return out
 
     def recover(self) -> None:
+        self.audit.end()
         for g in self.groups:
             g.step = None
         self._rows = None

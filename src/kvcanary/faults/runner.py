@@ -194,6 +194,8 @@ def run_transformers(fc: FaultClass, seed: int, model: Any = None, audit: bool =
         missed = not res.detected and "error" not in res.detail
         out = _run_transformers(fc, seed, model, True)
         out.missed_without_audit = missed
+        # the miss is real: the fault changed what the engine generated
+        out.detail["output_changed_without_audit"] = res.detail.get("output_changed")
         out.ok = out.ok and missed
         return out
     return _run_transformers(fc, seed, model, audit)
@@ -217,13 +219,17 @@ def _run_transformers(fc: FaultClass, seed: int, model: Any, audit: bool) -> Fau
     try:
         with torch.inference_mode(), protect(model, config) as guard:
             guard.hooks.append(fault)
-            model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+            faulty = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
     finally:
         restore()
     if fault.injected_at is not None and not audit:  # anything found at all, without the audit
         found = guard.violations
+        with torch.inference_mode():
+            clean = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        changed = any(clean[k].generated_tokens != faulty[k].generated_tokens for k in clean)
         return _result(fc, "transformers", seed, bool(found), [], None,
-                       {**fault.detail, **({"found_without_audit": found[0].describe()} if found else {})})
+                       {**fault.detail, "output_changed": changed,
+                        **({"found_without_audit": found[0].describe()} if found else {})})
     if fault.injected_at is None:
         return _result(fc, "transformers", seed, False, [], None, {"error": "no target for the fault appeared"})
     early = [v for v in guard.violations if v.step < fault.injected_at]

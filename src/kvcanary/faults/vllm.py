@@ -21,6 +21,14 @@ forward (each fires once, at the ``at``-th forward or the first later one where 
 - ``flip_cold``: one bit of a cached block that no request of the forward holds flips (cold prefix
   cache, found by the patrol scrub before a later prefix hit would serve it).
 
+Attention-kernel and cache-write faults, which the write check and the read audit
+(:mod:`kvcanary.engines.vllm_audit`) exist for; each wraps the first layer's attention from the
+forward it is injected in on, as a kernel bug does, leaving the tables and stamps right:
+
+- ``kernel_read_next_page``: the kernel reads one request's cached blocks one page too far;
+- ``kernel_write_zeros``: the cache write of the layer lands zeros;
+- ``kernel_scale_of_one``: the kernel applies a softmax scale of 1 instead of the model's.
+
 The two speculative-decoding faults need a forward after a rejection (ngram drafting on a
 repetitive prompt); the others a forward whose rows share cached blocks.
 """
@@ -245,8 +253,99 @@ def flip_cold(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -
     return True
 
 
+def _kernel_layer(conn: Any) -> str | None:
+    """The first layer of the first covered KV cache group (audited or not); installs the tap point."""
+    from kvcanary.engines import vllm_audit
+
+    vllm_audit.install()
+    layers = [n for g in conn.groups for n in g.plan.layers if n in conn.kv_caches]
+    return layers[0] if layers else None
+
+
+def _tap(fn: Any) -> None:
+    from kvcanary.engines import vllm_audit
+
+    vllm_audit.TAPS["forward"] = fn
+
+
+def kernel_read_next_page(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    import dataclasses
+
+    bs = conn.block_size
+    layer = _kernel_layer(conn)
+    victim = next((rid for rid, cached, _ in _rows(md, meta, bs) if rid and cached >= bs), None)
+    if layer is None or victim is None:
+        return False
+
+    def tap(original: Any, impl: Any, lay: Any, q: Any, k: Any, v: Any, kv: Any, m: Any, out: Any, *a: Any, **kw: Any) -> Any:
+        rids = conn._rows.rids if conn._rows is not None else []
+        if lay.layer_name == layer and victim in rids:
+            row = rids.index(victim)
+            cached = int(m.seq_lens[row]) - int(m.query_start_loc[row + 1] - m.query_start_loc[row])
+            full = cached // bs  # the blocks wholly cached before this forward
+            if full:
+                bt = m.block_table.clone()
+                bt[row, :full] += 1
+                m = dataclasses.replace(m, block_table=bt)
+        return original(impl, lay, q, k, v, kv, m, out, *a, **kw)
+
+    _tap(tap)
+    detail.update(request=victim, layer=layer)
+    return True
+
+
+def kernel_write_zeros(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    from kvcanary.engines.vllm import _cpu_isa
+
+    layer = _kernel_layer(conn)
+    if layer is None:
+        return False
+
+    def tap(original: Any, impl: Any, lay: Any, q: Any, k: Any, v: Any, kv: Any, m: Any, out: Any, *a: Any, **kw: Any) -> Any:
+        if lay.layer_name == layer:  # the write just ran: its rows become zeros before attention reads them
+            slots = m.slot_mapping[: int(m.num_actual_tokens)].long()
+            slots = slots[slots >= 0]
+            bs = kv.shape[2]
+            b, t = torch.div(slots, bs, rounding_mode="floor"), slots % bs
+            d = kv.shape[3] // 2
+            kview = kv.as_strided((kv.shape[0], kv.shape[1], d, bs), (kv.stride(0), kv.stride(1), bs, 1), kv.storage_offset())
+            vview = kv.as_strided((kv.shape[0], kv.shape[1], bs, d), (kv.stride(0), kv.stride(1), d, 1),
+                                  kv.storage_offset() + bs * d)
+            kview[b, :, :, t] = 0
+            vview[b, :, t, :] = 0
+        return original(impl, lay, q, k, v, kv, m, out, *a, **kw)
+
+    kv = conn.kv_caches[layer]
+    if _cpu_isa(kv.dtype, int(kv.shape[2]), int(kv.shape[3]) // 2) not in ("vec", "vec16"):
+        return False
+    _tap(tap)
+    detail.update(layer=layer)
+    return True
+
+
+def kernel_scale_of_one(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    layer = _kernel_layer(conn)
+    if layer is None:
+        return False
+
+    def tap(original: Any, impl: Any, lay: Any, q: Any, k: Any, v: Any, kv: Any, m: Any, out: Any, *a: Any, **kw: Any) -> Any:
+        if lay.layer_name != layer:
+            return original(impl, lay, q, k, v, kv, m, out, *a, **kw)
+        scale, impl.scale = impl.scale, 1.0
+        try:
+            return original(impl, lay, q, k, v, kv, m, out, *a, **kw)
+        finally:
+            impl.scale = scale
+
+    _tap(tap)
+    detail.update(layer=layer, scale=1.0)
+    return True
+
+
 PERSISTENT = {"redirect_stuck": _redirect_again}  # faults applied again in every later forward
 INJECTORS = {"flip_k": _flip("k"), "flip_v": _flip("v"), "redirect": redirect, "reuse": reuse, "zero": zero,
              "flip_first_read": flip_first_read, "write_null_block": write_null_block,
              "keep_rejected_drafts": _kept_drafts(True), "rollback_one_short": _kept_drafts(False),
-             "redirect_stuck": redirect_stuck, "flip_cold": flip_cold}
+             "redirect_stuck": redirect_stuck, "flip_cold": flip_cold,
+             "kernel_read_next_page": kernel_read_next_page, "kernel_write_zeros": kernel_write_zeros,
+             "kernel_scale_of_one": kernel_scale_of_one}

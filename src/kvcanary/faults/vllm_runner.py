@@ -51,6 +51,7 @@ class FaultSpec:
     max_forwards: int  # forwards within which it must be detected (1: the forward it lands in)
     env: tuple[tuple[str, str], ...] = ()  # configuration over the selftest's (KVCANARY_* variables)
     run: tuple[tuple[str, Any], ...] = ()  # engine run keys over the selftest's (see :func:`run`)
+    audit: bool = False  # needs the write check or read audit: run again without them, where nothing is found
 
     @property
     def zoo(self) -> tuple[str, ...]:
@@ -81,7 +82,12 @@ FAULTS: tuple[FaultSpec, ...] = (
               run=(("spec", 3), ("prompts", "repetitive"), ("max_tokens", 48))),
     FaultSpec("rollback_one_short", "", Check.EMPTY | Check.POSITION | Check.LINK | Check.TOKEN, 1,
               run=(("spec", 3), ("prompts", "repetitive"), ("max_tokens", 48))),
+    # inside the first layer's forward (kvcanary.audit), every request and layer audited each forward
+    *(FaultSpec(name, cls, BY_NAME[cls].checks, 1, (("KVCANARY_AUDIT_QUERIES", "64"),), audit=True)
+      for name, cls in (("kernel_read_next_page", "attention_read_bug"), ("kernel_write_zeros", "write_lands_zeros"),
+                        ("kernel_scale_of_one", "wrong_softmax_scale"))),
 )
+NO_AUDIT = {"KVCANARY_AUDIT_QUERIES": "0", "KVCANARY_WRITE_CHECK": "0"}
 
 
 def save_tiny_llama(path: str, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
@@ -282,7 +288,25 @@ def run_in_subprocess(cfg: dict[str, Any], env: dict[str, str | None] | None = N
 
 
 def run_fault(spec: FaultSpec, seed: int, model: str) -> FaultResult:
-    """Inject ``spec`` once into a tiny vLLM engine under the canary and judge the detection."""
+    """Inject ``spec`` once into a tiny vLLM engine under the canary and judge the detection; a
+    fault that needs the audit runs again without it, where nothing may be found."""
+    res = _run_fault(spec, seed, model)
+    if spec.audit:
+        cfg = {"model": model, "canary": True, "fault": spec.name, "seed": seed, "max_seqs": 4, **dict(spec.run)}
+        try:
+            out = run_in_subprocess(cfg, env={**SELFTEST_ENV, **dict(spec.env), **NO_AUDIT, "KVCANARY_VIOLATIONS_LOG": None})
+            injected = (out.get("fault") or {}).get("step") is not None
+            res.missed_without_audit = injected and not out["violations"] and not out["stats"]["internal_errors"]
+            if out["violations"]:
+                res.detail["found_without_audit"] = out["violations"][0]["text"]
+        except RuntimeError as e:
+            res.missed_without_audit = False
+            res.detail["error_without_audit"] = str(e)[-500:]
+        res.ok = res.ok and bool(res.missed_without_audit)
+    return res
+
+
+def _run_fault(spec: FaultSpec, seed: int, model: str) -> FaultResult:
     cfg = {"model": model, "canary": True, "fault": spec.name, "seed": seed, "max_seqs": 4, **dict(spec.run)}
     try:
         out = run_in_subprocess(cfg, env={**SELFTEST_ENV, **dict(spec.env), "KVCANARY_VIOLATIONS_LOG": None})
