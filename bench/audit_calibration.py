@@ -85,14 +85,59 @@ class Recorder:
             for fa in auditor.pending:
                 if not fa.queries:
                     continue
-                for q, e, t in zip(fa.queries, fa.err.tolist(), fa.tol.tolist()):
+                n = len(fa.queries)
+                smax = fa._smax.tolist() if hasattr(fa, "_smax") else [None] * n
+                pmean = fa._pmean.tolist() if hasattr(fa, "_pmean") else [None] * n
+                for q, e, t, sm, pm in zip(fa.queries, fa.err.tolist(), fa.tol.tolist(), smax, pmean):
                     if e >= 0:
                         self.queries.append(dict(step=fa.step, layer=q.layer, row=q.row, head=q.head,
                                                  position=q.position, cached=q.cached, group=q.group,
-                                                 request=prot.request_at(fa.step, q.row), err=e, tol=t))
+                                                 request=prot.request_at(fa.step, q.row), err=e, tol=t,
+                                                 smax=sm, pmean=pm))
             return drain()
 
         auditor.drain = recording_drain
+
+
+# unit roundoff of each compute dtype (half the gap between 1 and the next number)
+UNIT = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+@contextlib.contextmanager
+def logit_stats() -> Iterator[bool]:
+    """Record each audited query's logit size beside its error: ``smax``, the largest |scaled logit| it
+    reads, and ``pmean``, the probability-weighted mean |logit| (fp32, from the cache bytes the audit
+    reads). Wraps the adapter's ``check_layer``; yields False where this version has none."""
+    from kvcanary.engines import transformers_audit as ta
+
+    orig = getattr(ta, "check_layer", None)
+    if orig is None:
+        yield False
+        return
+
+    def check_layer(fa: Any, plan: Any, slots: torch.Tensor, q: torch.Tensor, engine_out: torch.Tensor, read: Any,
+                    scale: float, softcap: Any, sink: Any, tol: float) -> None:
+        orig(fa, plan, slots, q, engine_out, read, scale, softcap, sink, tol)
+        k, _ = read(slots, 0)
+        valid = plan.inside & (slots >= 0)
+        logits = torch.einsum("sd,sld->sl", q.float(), k.float()) * scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        logits = logits.masked_fill(~valid, float("-inf"))
+        full = logits if sink is None else torch.cat([logits, sink.float()[:, None]], dim=1)
+        p = torch.softmax(full, dim=1)[:, : logits.shape[1]]
+        mag = logits.abs().masked_fill(~valid, 0)
+        if not hasattr(fa, "_smax"):
+            fa._smax = torch.full((len(fa.queries),), -1.0)
+            fa._pmean = torch.full((len(fa.queries),), -1.0)
+        fa._smax[plan.picked] = mag.amax(1).cpu()
+        fa._pmean[plan.picked] = (p * mag).sum(1).cpu()
+
+    ta.check_layer = check_layer
+    try:
+        yield True
+    finally:
+        ta.check_layer = orig
 
 
 class LogCapture(logging.Handler):
@@ -187,7 +232,7 @@ def run_clean(cfg: Any, dtype: str, factor: float = 1.0) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = sharpen(tiny_arch(cfg.arch, seed=cfg.seed % 1000, layers=cfg.layers).to(DTYPES[dtype]), factor)
     rec = Recorder()
-    with captured() as cap:
+    with captured() as cap, logit_stats():
         run = session(model, cfg, CanaryConfig(mode="log", content_budget_bytes=None, audit_queries=AUDIT_QUERIES),
                       [rec])
     guard = run.guard
@@ -213,8 +258,17 @@ def run_clean(cfg: Any, dtype: str, factor: float = 1.0) -> dict[str, Any]:
         "notes": cap.notes(), "request_errors": len(failed), "first_request_error": next(iter(failed.values()), None),
         "missing_requests": cfg.requests * cfg.forks - len(run.out), "exception": run.error,
         "events": run.events, "seconds": round(time.perf_counter() - t0, 2),
-        "_errors": errs,
+        "smax": max((q["smax"] for q in rec.queries if q["smax"] is not None), default=None),
+        "normalized_max": max(normalized(rec.queries, dtype, "smax"), default=None),
+        "normalized_pmean_max": max(normalized(rec.queries, dtype, "pmean"), default=None),
+        "_errors": errs, "_norm": normalized(rec.queries, dtype, "smax"),
+        "_norm_pm": normalized(rec.queries, dtype, "pmean"),
     }
+
+
+def normalized(queries: list[dict[str, Any]], dtype: str, key: str) -> list[float]:
+    """Each query's error in units of ``u * (1 + logit size)`` (``key``: "smax" or "pmean")."""
+    return [q["err"] / (UNIT[dtype] * (1 + q[key])) for q in queries if q.get(key) is not None]
 
 
 # ---- faulty ------------------------------------------------------------------------------------
@@ -251,7 +305,7 @@ def run_faulty(fc: Any, dtype: str, seed: int, factor: float = 1.0) -> dict[str,
     fault = CbFault(injector, at=3, seed=seed)
     config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=True, audit_queries=FULL_AUDIT)
     rec = Recorder()
-    with captured() as cap, torch.inference_mode(), protect(model, config) as guard:
+    with captured() as cap, logit_stats(), torch.inference_mode(), protect(model, config) as guard:
         rec.attach(guard)
         guard.hooks.append(fault)
         model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
@@ -285,17 +339,27 @@ def run_faulty(fc: Any, dtype: str, seed: int, factor: float = 1.0) -> dict[str,
         "forwards": st["forwards"], "audit_queries": st.get("audit_queries", 0),
         "internal_errors": st.get("internal_errors", 0), "internal_error_text": cap.errors()[:5],
         "seconds": round(time.perf_counter() - t0, 2),
-        "_affected": aff_err,
+        "affected_smax_max": max((q["smax"] for q in aff if q["smax"] is not None), default=None),
+        "affected_normalized_max": max(normalized(aff, dtype, "smax"), default=None),
+        "affected_normalized_pmean_max": max(normalized(aff, dtype, "pmean"), default=None),
+        "_affected": aff_err, "_aff_q": [(q["err"], q["smax"], q["pmean"]) for q in aff],
     }
 
 
 # ---- main ---------------------------------------------------------------------------------------
 
 
+def src_root() -> Path:
+    """The repository of the kvcanary package imported (a checkout on PYTHONPATH, or this one)."""
+    import kvcanary
+
+    return Path(kvcanary.__file__).resolve().parents[2]
+
+
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src_root(), capture_output=True,
+                              text=True, check=True).stdout.strip()
     except Exception:
         return "unknown"
 
@@ -303,8 +367,8 @@ def commit() -> str:
 def src_changes() -> list[str]:
     """Files under src/ that differ from the commit (the measurement is of the working tree)."""
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=src_root(), capture_output=True,
+                             text=True, check=True).stdout
         return [line[3:] for line in out.splitlines() if line.strip()]
     except Exception:
         return ["unknown"]
@@ -344,12 +408,16 @@ def main() -> int:
     dtypes = draw_dtypes(args.configs, args.seed)
     clean: list[dict[str, Any]] = []
     errs_by_dtype: dict[str, list[float]] = {d: [] for d in DTYPES}
+    norm_by_dtype: dict[str, list[float]] = {d: [] for d in DTYPES}
+    normpm_by_dtype: dict[str, list[float]] = {d: [] for d in DTYPES}
     arch_max: dict[str, dict[str, float]] = {d: {} for d in DTYPES}
     for k, (cfg, dtype) in enumerate(zip(configs, dtypes)):
         with contextlib.redirect_stdout(sys.stderr):
             res = run_clean(cfg, dtype, args.sharpen)
         errs = res.pop("_errors")
         errs_by_dtype[dtype] += errs
+        norm_by_dtype[dtype] += res.pop("_norm")
+        normpm_by_dtype[dtype] += res.pop("_norm_pm")
         if errs:
             arch_max[dtype][cfg.arch] = max(arch_max[dtype].get(cfg.arch, 0.0), max(errs))
         clean.append(res)
@@ -359,6 +427,7 @@ def main() -> int:
                f"exception {res['exception']}" if res["exception"] else ""]
         print(f"[clean {k + 1}/{len(configs)}] {dtype:8s} {res['label']} ({res['attn_implementation']}): "
               f"{res['forwards']} forwards, {res['queries_audited']} queries, max error {fmt(res['error']['max'])} "
+              f"(max |logit| {fmt(res['smax'])}, max err/(u(1+|s|max)) {fmt(res['normalized_max'])}) "
               f"(tol {tolerances[dtype]:g}) {' '.join(b for b in bad if b)} ({res['seconds']:.1f} s)", flush=True)
         for text in res["violation_text"][:3] + res["internal_error_text"][:2]:
             print(f"    {text.splitlines()[0] if text else text}", flush=True)
@@ -407,7 +476,11 @@ def main() -> int:
         print(f"{d:9s} {len(rows):7d} {s['n']:8d} {fmt(s['p50']):>9s} {fmt(s['p99']):>9s} {fmt(s['p999']):>9s} "
               f"{fmt(s['max']):>9s} {tolerances[d]:7.0e} {viol:5d} {ierr:7d}  {arch}")
         report["dtypes"][d] = {"clean": {**s, "configs": len(rows), "violations": viol, "internal_errors": ierr,
-                                         "per_arch_max": arch_max[d]}}
+                                         "per_arch_max": arch_max[d],
+                                         "max_abs_logit": max((r["smax"] for r in rows if r["smax"] is not None),
+                                                              default=None),
+                                         "normalized_smax": summary(norm_by_dtype[d]),
+                                         "normalized_pmean": summary(normpm_by_dtype[d])}}
     if faulty:
         print("\n== faulty (per class and dtype; errors of ATTENTION violations / of the affected queries) ==")
         print(f"{'class':22s} {'dtype':9s} {'detected':>9s} {'viol':>5s} {'viol min':>9s} {'viol med':>9s} "
@@ -461,8 +534,36 @@ def main() -> int:
                   f"every run detected below {fmt(m['smallest_detect_threshold'])} ({tight}; "
                   f"{fmt(m['ratio_detect_threshold_to_clean_max'])}x the clean max); "
                   f"missed: {', '.join(missed) or 'none'}")
+    # a tolerance that scales with the logits: c * u * (1 + max |logit|), c = 5x the largest normalized clean error
+    print("\n== scale-aware tolerance: c * u(dtype) * (1 + max |logit| read), errors in units of u * (1 + |s|) ==")
+    for key, label in (("smax", "max |logit|"), ("pmean", "p-weighted mean |logit|")):
+        by = norm_by_dtype if key == "smax" else normpm_by_dtype
+        cmax = {d: max(v) if v else None for d, v in by.items()}
+        c = 5 * max((v for v in cmax.values() if v is not None), default=0.0)
+        print(f"{label}: clean maxima " + ", ".join(f"{d} {fmt(v)}" for d, v in cmax.items()) + f"; c = {fmt(c)}")
+        rows: dict[str, Any] = {"clean_normalized_max": cmax, "c": c, "faulty": {}}
+        for name in classes:
+            for d in DTYPES:
+                runs = [r for r in faulty if r["fault"] == name and r["dtype"] == d]
+                if not runs:
+                    continue
+                idx = 1 if key == "smax" else 2  # (err, smax, pmean) of each affected query
+                norm = [[q[0] / (UNIT[d] * (1 + q[idx])) for q in r["_aff_q"] if q[idx] is not None] for r in runs]
+                run_max = [max(n, default=0.0) for n in norm]
+                caught = sum(m > c for m in run_max)
+                frac = [sum(x > c for x in n) for n in norm]
+                rows["faulty"].setdefault(name, {})[d] = {"runs": len(runs), "detected_runs": caught,
+                                                          "run_max_min": min(run_max),
+                                                          "queries_above": sum(frac),
+                                                          "queries": sum(len(r["_aff_q"]) for r in runs)}
+        report[f"scale_aware_{key}"] = rows
+        for name, per in rows["faulty"].items():
+            print(f"  {name:22s} " + "  ".join(
+                f"{d} {v['detected_runs']}/{v['runs']} runs (min run max {fmt(v['run_max_min'])}, "
+                f"{v['queries_above']}/{v['queries']} q)" for d, v in per.items()))
     for r in faulty:
         r.pop("_affected", None)
+        r.pop("_aff_q", None)
     report["clean_runs"] = clean
     report["faulty_runs"] = faulty
     report["wall_s"] = round(time.perf_counter() - t_start, 1)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ log = logging.getLogger("kvcanary")
 # calibration (bench/audit_calibration.py, randomized clean runs) measured the clean maxima these
 # leave a margin of at least 10x over; an injected kernel fault lands far above them.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the compiled loops' float codes
 BIT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -118,13 +119,13 @@ class Query:
 
 @dataclasses.dataclass
 class Writes:
-    """One layer's write check in one forward: the checked tokens and what differed (device)."""
+    """The write check of some layers in one forward: the checked tokens and what differed."""
 
-    layer: int
-    group: str | None
+    layers: Sequence[int]
+    groups: Sequence[str | None]  # each layer's group
     tokens: Sequence[int]  # the tokens' indices in the batch (host)
-    half: torch.Tensor  # int64 [n]
-    head: torch.Tensor  # int64 [n]
+    half: torch.Tensor | np.ndarray  # int64 [layers, n]: 0, or which half differs (1 K, 2 V, 3 both)
+    head: torch.Tensor | np.ndarray  # int64 [layers, n]: the first KV head that differs
 
 
 @dataclasses.dataclass
@@ -132,8 +133,8 @@ class ForwardAudit:
     """The write checks and audited queries of one forward, until they are drained."""
 
     step: int
-    rows: Sequence[int]  # each batch token's step row (host)
-    positions: Sequence[int]  # each batch token's position (host)
+    starts: np.ndarray  # int64 [rows + 1]: where each step row's new tokens start in the batch (host)
+    cached: np.ndarray  # int64 [rows]: each row's tokens cached before this forward (host)
     slots: dict[str | None, torch.Tensor]  # each group's slot of each batch token (device), -1: none
     queries: list[Query]
     err: torch.Tensor  # float32 [S]: each query's error, -1 where it did not run
@@ -207,35 +208,54 @@ class Auditor:
     def _writes(self, fa: ForwardAudit) -> list[Violation]:
         out = []
         for w in fa.writes:
-            half = w.half.tolist()
-            if not any(half):
+            half = w.half.cpu().numpy() if isinstance(w.half, torch.Tensor) else w.half
+            if not half.any():
                 continue
-            heads = w.head.tolist()
-            for t, h, hd in zip(w.tokens, half, heads):
-                if h:
-                    out.append(Violation(Site.WRITE, Check.WRITE_CONTENT, fa.step, int(fa.rows[t]), _slot(fa, w.group, t),
-                                         int(fa.positions[t]), hd, h, -1, 0, 0, 0, 0, w.layer, group=w.group))
+            heads = w.head.cpu().numpy() if isinstance(w.head, torch.Tensor) else w.head
+            for li, i in zip(*np.nonzero(half)):
+                t, layer, group = w.tokens[i], w.layers[li], w.groups[li]
+                row = int(np.searchsorted(fa.starts, t, side="right")) - 1
+                out.append(Violation(Site.WRITE, Check.WRITE_CONTENT, fa.step, row, _slot(fa, group, t),
+                                     int(fa.cached[row] + t - fa.starts[row]), int(heads[li, i]), int(half[li, i]), -1,
+                                     0, 0, 0, 0, layer,
+                                     group=group))
         return out
 
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
 
 
-@dataclasses.dataclass(frozen=True)
 class LayerPlan:
-    """The device side of one layer's audited queries, built on the host before the forward.
+    """One layer's audited queries, built on the host before the forward: ``qt`` int64 ``[S, 8]``,
+    per query its index in the forward's list, step row, batch token, head, KV head (filled in by
+    the adapter), position, window start and the row's tokens cached before this forward. The
+    torch path's device tensors are made on first use: ``grid`` ``[S, W]`` the positions each
+    reads (clamped to its own), ``inside`` which of them it reads, ``old`` which were cached before
+    this forward."""
 
-    ``picked``: the queries' indices in the forward's list; ``grid`` int64 ``[S, W]``: the positions
-    each reads (its window's first position on, clamped to its own position); ``inside`` bool
-    ``[S, W]``: which of them it reads; ``old``: which were cached before this forward."""
+    def __init__(self, qt: np.ndarray, dev: torch.device) -> None:
+        self.qt, self.dev = qt, dev
+        self._t: dict[str, torch.Tensor] | None = None
 
-    picked: torch.Tensor
-    token: torch.Tensor
-    head: torch.Tensor
-    row: torch.Tensor
-    grid: torch.Tensor
-    inside: torch.Tensor
-    old: torch.Tensor
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        if self._t is None:
+            qt = self.qt
+            pos, start, cached = qt[:, 5], qt[:, 6], qt[:, 7]
+            width = int((pos - start).max()) + 1
+            grid = start[:, None] + np.arange(width)[None, :]
+            names = ("picked", "row", "token", "head", "grid", "inside", "old")
+            arrays = [qt[:, 0], qt[:, 1], qt[:, 2], qt[:, 3], np.minimum(grid, pos[:, None]), grid <= pos[:, None],
+                      grid < cached[:, None]]
+            self._t = dict(zip(names, to_device(self.dev, arrays)))
+        return self._t
+
+    picked = property(lambda self: self._tensors()["picked"])
+    token = property(lambda self: self._tensors()["token"])
+    head = property(lambda self: self._tensors()["head"])
+    row = property(lambda self: self._tensors()["row"])
+    grid = property(lambda self: self._tensors()["grid"])
+    inside = property(lambda self: self._tensors()["inside"])
+    old = property(lambda self: self._tensors()["old"])
 
 
 def to_device(dev: torch.device, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -246,20 +266,17 @@ def to_device(dev: torch.device, arrays: Sequence[np.ndarray]) -> list[torch.Ten
     return [t.pin_memory().to(dev, non_blocking=True) for t in out]
 
 
-def plan_layer(queries: Sequence[Query], picked: Sequence[int], window: int | None, dev: torch.device) -> LayerPlan:
-    """One layer's audited queries (``picked`` of ``queries``) as device tensors; ``window``: the
-    layer's sliding window (a query at ``p`` reads ``[p - window + 1, p]``), ``None`` for full attention."""
-    qs = [queries[i] for i in picked]
-    pos = np.array([q.position for q in qs], dtype=np.int64)
-    start = np.maximum(pos - window + 1, 0) if window else np.zeros_like(pos)
-    width = int((pos - start).max()) + 1
-    grid = start[:, None] + np.arange(width)[None, :]
-    inside = grid <= pos[:, None]
-    old = grid < np.array([q.cached for q in qs], dtype=np.int64)[:, None]
-    t = to_device(dev, [np.array(picked, dtype=np.int64), np.array([q.token for q in qs], dtype=np.int64),
-                        np.array([q.head for q in qs], dtype=np.int64), np.array([q.row for q in qs], dtype=np.int64),
-                        np.minimum(grid, pos[:, None]), inside, old])
-    return LayerPlan(*t)
+def plan_layers(queries: Sequence[Query], windows: dict[Any, int | None], dev: torch.device,
+                key: Callable[[Query], Any] = lambda q: q.layer) -> dict[Any, LayerPlan]:
+    """The forward's audited queries by layer (``key``: a query's layer key); ``windows``: each
+    layer's sliding window (a query at ``p`` reads ``[p - window + 1, p]``), ``None`` for full
+    attention."""
+    by: dict[Any, list[list[int]]] = {}
+    for i, q in enumerate(queries):
+        w = windows.get(key(q))
+        by.setdefault(key(q), []).append([i, q.row, q.token, q.head, 0, q.position,
+                                          max(q.position - w + 1, 0) if w else 0, q.cached])
+    return {k: LayerPlan(np.array(v, dtype=np.int64), dev) for k, v in by.items()}
 
 
 def check_layer(fa: ForwardAudit, plan: LayerPlan, slots: torch.Tensor, q: torch.Tensor, engine_out: torch.Tensor,
@@ -280,11 +297,26 @@ def check_layer(fa: ForwardAudit, plan: LayerPlan, slots: torch.Tensor, q: torch
         errs.append(error(engine_out, ref, vmax))
     e = errs[0]
     explained = torch.where(errs[1] <= tol, 1, torch.where(errs[2] <= tol, -1, 0))
-    fa.err[plan.picked] = torch.where(complete, e, -1.0)
-    fa.shift[plan.picked] = torch.where(e > tol, explained, 0)
+    fa.err[plan.picked] = torch.where(complete, e, -1.0).to(fa.err.dtype)
+    fa.shift[plan.picked] = torch.where(e > tol, explained, 0).to(fa.shift.dtype)
     fa.tol[plan.picked] = tol
 
 
 def _slot(fa: ForwardAudit, group: str | None, token: int) -> int:
     slots = fa.slots.get(group)
     return int(slots[token]) if slots is not None and 0 <= token < slots.shape[0] else -1
+
+
+# descriptors of the compiled CPU loops (kvcanary.fused.audit): byte addresses and byte strides
+
+def rows_desc(t: torch.Tensor, tok: int, head: int, dim: int) -> list[int]:
+    """The descriptor of a row tensor whose dimensions ``tok``, ``head`` and ``dim`` index a token, a
+    head and a channel."""
+    es = t.element_size()
+    st = t.stride()
+    return [t.data_ptr(), st[tok] * es, st[head] * es, st[dim] * es]
+
+
+def cache_desc(base: int, block: int, block_stride: int, token_stride: int, head_stride: int,
+               dim_stride: int) -> list[int]:
+    return [base, block, block_stride, token_stride, head_stride, dim_stride]

@@ -270,6 +270,7 @@ class Protection(Adapter):
         self.audit.end()
 
     def _after(self, steps: dict[str, Step]) -> None:
+        self.audit.finish()  # the write checks a decode-sized forward keeps for after it
         for name, step in steps.items():
             self.groups[name].canary.after_forward(step, self._padding.get(name))
         for g in self.groups.values():  # this forward's share of the patrol over cold cache

@@ -20,6 +20,7 @@ non-causal or ALiBi attention are passed through unchecked.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -29,7 +30,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvcanary.audit import Auditor, ForwardAudit, LayerPlan, Query, Writes, check_layer, plan_layer, write_mismatch
+from kvcanary.audit import (DTYPES, Auditor, ForwardAudit, LayerPlan, Query, Writes, cache_desc, check_layer, plan_layers,
+                            rows_desc, write_mismatch)
 
 log = logging.getLogger("kvcanary")
 REGISTRY: dict[str, "VllmAudit"] = {}  # layer name -> the audit of the canary that covers it
@@ -115,11 +117,12 @@ class VllmAudit:
         self.fa: ForwardAudit | None = None
         self.groups: dict[str, Any] = {}  # layer name -> its _Group
         self.isa: dict[str, str] = {}
-        self.plans: dict[str, LayerPlan] = {}
+        self.plans: dict[int, LayerPlan] = {}  # by the layer's index
         self.write_tokens: tuple[np.ndarray, torch.Tensor] | None = None
         self.failed = 0
         self._views: dict[tuple[int, str], tuple[Callable[..., Any], ...]] = {}
         self.index: dict[str, int] = {}  # layer name -> its number in the records' "layer" field
+        self._cdesc: dict[str, tuple[int, np.ndarray]] = {}
         self._wturn = 0
 
     def register(self, groups: list[Any], isa_of: Callable[[torch.Tensor], str], kv_caches: dict[str, torch.Tensor]) -> None:
@@ -147,22 +150,18 @@ class VllmAudit:
         q = qsl[1:] - qsl[:-1]
         valid = np.asarray(rows.valid.numpy(), dtype=bool)[: len(q)]
         total = int(qsl[-1])
-        row_of = np.repeat(np.arange(len(q)), q)
-        positions = cached[row_of] + (np.arange(total) - qsl[:-1][row_of])
         layers = [n for g in live for n in g.plan.layers if n in self.groups]
         queries: list[Query] = []
-        by_layer: dict[str, list[int]] = {}
         for li, r, off, head in self.auditor.pick(list(range(len(layers))), (q * valid).tolist(), self.heads):
             name = layers[li]
             queries.append(Query(self.index[name], r, int(qsl[r] + off), head, int(cached[r] + off), int(cached[r]),
                                  self.groups[name].name))
-            by_layer.setdefault(name, []).append(len(queries) - 1)
-        self.plans = {n: plan_layer(queries, picked, self.groups[n].plan.window, torch.device("cpu"))
-                      for n, picked in by_layer.items()}
+        windows = {self.index[n]: self.groups[n].plan.window for n in layers}
+        self.plans = plan_layers(queries, windows, torch.device("cpu"))
         s = len(queries)
         self.fa = self.auditor.begin(ForwardAudit(
-            self.conn.forwards, row_of, positions, {g.name: g.step.new_slots for g in live}, queries,
-            torch.full((s,), -1.0), torch.zeros(s, dtype=torch.int64), torch.zeros(s)))
+            self.conn.forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries,
+            np.full(s, -1.0), np.zeros(s, dtype=np.int64), np.zeros(s)))  # type: ignore[arg-type]
         if self.write_check and total:
             n = total
             budget = self.conn.config.budget_for("cpu")
@@ -221,24 +220,58 @@ class VllmAudit:
         if views is None:
             views = self._views[key_views] = kv_views(kv_cache, self.isa[name])
         k_at, v_at = views
+        fused = g.canary.backend == "fused" and self.isa[name] in ("vec", "vec16") and kv_cache.dtype in DTYPES
         if self.write_tokens is not None and getattr(impl, "kv_sharing_target_layer_name", None) is None:
             host, toks = self.write_tokens
-            slots = g.step.new_slots[toks]
-            s = slots.clamp(min=0)
-            half, head = write_mismatch(key[toks], value[toks], k_at(s), v_at(s))
-            fa.writes.append(Writes(self.index[name], g.name, host, torch.where(slots >= 0, half, 0), head))
+            n = len(host)
+            if fused and key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype:
+                half, head = np.empty((1, n), dtype=np.int64), np.empty((1, n), dtype=np.int64)
+                es = key.element_size()
+                ks, vs = key.stride(), value.stride()
+                _loops().write_compare(np.array([[key.data_ptr(), value.data_ptr()]], dtype=np.int64),
+                                       np.array([ks[0] * es, ks[1] * es, ks[2] * es, vs[0] * es, vs[1] * es, vs[2] * es],
+                                                dtype=np.int64),
+                                       self._descs(name, kv_cache)[None], np.zeros(1, dtype=np.int64),
+                                       g.step.new_slots.numpy()[host][None], host, es, key.shape[1], key.shape[2], half,
+                                       head)
+            else:
+                slots = g.step.new_slots[toks]
+                s = slots.clamp(min=0)
+                half_t, head_t = write_mismatch(key[toks], value[toks], k_at(s), v_at(s))
+                half, head = torch.where(slots >= 0, half_t, 0)[None], head_t[None]
+            fa.writes.append(Writes([self.index[name]], [g.name], host, half, head))
             c = self.auditor.counts
-            c["write_slots_checked"] += len(host)
-            c["write_bytes_checked"] += len(host) * 2 * key[0].numel() * kv_cache.element_size()
-        plan = self.plans.get(name)
+            c["write_slots_checked"] += n
+            c["write_bytes_checked"] += n * 2 * key[0].numel() * kv_cache.element_size()
+        plan = self.plans.get(self.index[name])
         if plan is None or getattr(impl, "alibi_slopes", None) is not None:
             return
         window = impl.sliding_window if impl.sliding_window and impl.sliding_window > 0 else None
         if window != g.plan.window:  # a layer whose window is not its group's: not audited
             return
+        rep = impl.num_heads // impl.num_kv_heads
+        out3 = output.view(output.shape[0], impl.num_heads, -1)
+        softcap = impl.logits_soft_cap if impl.logits_soft_cap else None
+        sinks = impl.sinks.detach() if getattr(impl, "sinks", None) is not None else None
+        tol = self.auditor.tolerance_for(query.dtype)
+        if fused and query.dtype in DTYPES and out3.dtype == query.dtype:
+            qt = np.zeros((len(plan.qt), 11), dtype=np.int64)
+            qt[:, [0, 2, 3, 4, 6, 7, 8]] = plan.qt[:, [0, 1, 2, 3, 5, 6, 7]]
+            qt[:, 5] = qt[:, 4] // rep
+            qt[:, 9] = np.arange(len(qt)) + 3 if sinks is not None else -1
+            desc = np.array([self._descs(name, kv_cache).tolist() + rows_desc(query, 0, 1, 2) + rows_desc(out3, 0, 1, 2)
+                             + [DTYPES[kv_cache.dtype], DTYPES[query.dtype], query.shape[2],
+                                kv_cache.shape[0] * g.plan.block_size - 1, 0, 0]], dtype=np.int64)
+            fl = np.zeros(3 + len(qt))
+            fl[:3] = float(impl.scale), softcap or 0.0, tol
+            if sinks is not None:
+                fl[3:] = sinks.float().numpy()[qt[:, 4]]
+            _loops().audit_queries(desc, _loops().step_desc(g.step)[None], qt, fl, fa.err, fa.shift)
+            fa.tol[plan.qt[:, 0]] = tol
+            return
         shape = plan.grid.shape
         slots = g.step.lookup(plan.row[:, None].expand(shape).reshape(-1), plan.grid.reshape(-1)).view(shape)
-        kvh = (plan.head // (impl.num_heads // impl.num_kv_heads))[:, None].expand(shape)
+        kvh = (plan.head // rep)[:, None].expand(shape)
         bs = g.plan.block_size
         limit = kv_cache.shape[0] * bs - 1
 
@@ -246,11 +279,22 @@ class VllmAudit:
             s = torch.where(plan.old, slots + shift * bs, slots).clamp(0, limit)
             return k_at(s, kvh), v_at(s, kvh)
 
-        out3 = output.view(output.shape[0], impl.num_heads, -1)
-        softcap = impl.logits_soft_cap if impl.logits_soft_cap else None
-        sinks = impl.sinks.detach()[plan.head] if getattr(impl, "sinks", None) is not None else None
-        check_layer(fa, plan, slots, query[plan.token, plan.head], out3[plan.token, plan.head], read, float(impl.scale),
-                    softcap, sinks, self.auditor.tolerance_for(query.dtype))
+        err, sh, tl = torch.from_numpy(fa.err), torch.from_numpy(fa.shift), torch.from_numpy(fa.tol)
+        view = dataclasses.replace(fa, err=err, shift=sh, tol=tl)  # the torch reference writes through these
+        check_layer(view, plan, slots, query[plan.token, plan.head], out3[plan.token, plan.head], read,
+                    float(impl.scale), softcap, sinks[plan.head] if sinks is not None else None, tol)
+
+    def _descs(self, name: str, kv: torch.Tensor) -> np.ndarray:
+        """The compiled loops' descriptors of a layer's cache K and V (``vec``/``vec16``), by slot."""
+        got = self._cdesc.get(name)
+        if got is None or got[0] != kv.data_ptr():
+            _, hkv, bs, two_d = kv.shape
+            d, es = two_d // 2, kv.element_size()
+            s0, s1, base = kv.stride(0) * es, kv.stride(1) * es, kv.data_ptr()
+            k = cache_desc(base, bs, s0, es, s1, bs * es)  # K: [D, block] per block and head
+            v = cache_desc(base + bs * d * es, bs, s0, d * es, s1, es)  # V: [block, D] after it
+            got = self._cdesc[name] = (kv.data_ptr(), np.array(k + v, dtype=np.int64))
+        return got[1]
 
     def stats(self) -> dict[str, int]:
         return self.auditor.stats()
@@ -258,3 +302,10 @@ class VllmAudit:
     def close(self) -> None:
         for name in [n for n, a in REGISTRY.items() if a is self]:
             del REGISTRY[name]
+
+
+def _loops() -> Any:
+    """The compiled loops (imported on first use)."""
+    from kvcanary.fused import audit
+
+    return audit

@@ -29,13 +29,17 @@ def _row_of(prot: Any, rid: str) -> int | None:
     return rids.index(rid) if rid in rids else None
 
 
-def _victim(prot: Any, runner: Any, g: Any, need: int) -> str | None:
-    """A request of this forward with at least ``need`` cached tokens in group ``g``."""
+def _victim(prot: Any, runner: Any, g: Any, need: int, next_page: bool = False) -> str | None:
+    """A request of this forward with at least ``need`` cached tokens in group ``g`` (and, with
+    ``next_page``, whose every block has a next page inside the pool)."""
     from kvcanary.engines import transformers_hooks as cb_hooks
 
+    last = g.canary.num_slots // g.tpp - 1
     for fs in cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch:
-        if fs.state.position_offset - fs.query_length >= need:
-            return str(fs.state.request_id)
+        rid = str(fs.state.request_id)
+        if fs.state.position_offset - fs.query_length >= need and (
+                not next_page or max(g.allocator.block_table.get(rid, [last]), default=last) < last):
+            return rid
     return None
 
 
@@ -54,7 +58,7 @@ def read_next_page(prot: Any, runner: Any, batch: dict, rng: random.Random, deta
     if picked is None or not batch["read_index"][picked[0].index].numel():
         return False
     g, layer = picked
-    rid = _victim(prot, runner, g, g.tpp)
+    rid = _victim(prot, runner, g, g.tpp, next_page=True)
     if rid is None:
         return False
     k_view, v_view = g.allocator._kv_token_views[layer]

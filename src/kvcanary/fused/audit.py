@@ -1,0 +1,252 @@
+"""The write check and the read audit (:mod:`kvcanary.audit`) as compiled CPU loops: one call per
+layer for each, on tensors passed as byte descriptors, so a protected forward pays a few
+microseconds per layer instead of a few dozen torch ops.
+
+Descriptors (int64 arrays, byte addresses and byte strides):
+
+- a row tensor (computed K or V, queries, attention outputs): ``(address, token stride, head
+  stride, dim stride)``;
+- a cache: ``(address, block size, block stride, token-in-block stride, head stride, dim stride)``;
+  the element (slot ``s``, head ``h``, dim ``d``) lives at ``address + (s // block) * block stride
+  + (s % block) * token stride + h * head stride + d * dim stride`` (transformers' token rows,
+  vLLM's ``vec`` and ``vec16`` layouts).
+
+Floats are read as fp32 (code 0), bf16 (1) or fp16 (2) and computed in float64; the write check
+compares raw bits (2 or 4 bytes an element). Both equal the torch reference
+(:func:`kvcanary.audit.attend`, :func:`kvcanary.audit.write_mismatch`) within float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from kvcanary import audit
+from kvcanary.fused._core import JIT, ld_i64, ld_u8, ld_u16, ld_u32
+from kvcanary.fused._step import lookup
+from kvcanary.fused.cache import njit
+
+DTYPES = audit.DTYPES
+
+
+@intrinsic
+def ld_f32(typingctx, addr):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        v = builder.load(builder.inttoptr(args[0], ir.FloatType().as_pointer()), align=1)
+        return builder.fpext(v, ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def ld_f16(typingctx, addr):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        v = builder.load(builder.inttoptr(args[0], ir.HalfType().as_pointer()), align=1)
+        return builder.fpext(v, ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def ld_bf16(typingctx, addr):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        bits = builder.load(builder.inttoptr(args[0], ir.IntType(16).as_pointer()), align=1)
+        wide = builder.shl(builder.zext(bits, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.fpext(builder.bitcast(wide, ir.FloatType()), ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@njit(inline="always", **JIT)
+def ldf(addr, dt):  # type: ignore[no-untyped-def]
+    if dt == 0:
+        return ld_f32(addr)
+    if dt == 1:
+        return ld_bf16(addr)
+    return ld_f16(addr)
+
+
+@njit(inline="always", **JIT)
+def load_row(addr, stride, dt, buf):  # type: ignore[no-untyped-def]
+    """``buf.shape[0]`` floats of code ``dt`` from ``addr`` (stride ``stride`` bytes) into ``buf``."""
+    if dt == 0:
+        for d in range(buf.shape[0]):
+            buf[d] = ld_f32(addr + d * stride)
+    elif dt == 1:
+        for d in range(buf.shape[0]):
+            buf[d] = ld_bf16(addr + d * stride)
+    else:
+        for d in range(buf.shape[0]):
+            buf[d] = ld_f16(addr + d * stride)
+
+
+@njit(inline="always", **JIT)
+def ldbits(addr, esz):  # type: ignore[no-untyped-def]
+    if esz == 2:
+        return ld_u16(addr)
+    if esz == 4:
+        return ld_u32(addr)
+    if esz == 8:
+        return ld_i64(addr)
+    return ld_u8(addr)
+
+
+@njit(inline="always", **JIT)
+def _differs(a, sa, b, sb, esz, nd):  # type: ignore[no-untyped-def]
+    """Whether ``nd`` elements of ``esz`` bytes at ``a`` (stride ``sa``) and ``b`` (stride ``sb``) differ
+    in any bit; 8 bytes at a time where both runs are contiguous."""
+    if sa == esz and sb == esz and (nd * esz) % 8 == 0:
+        for w in range(nd * esz // 8):
+            if ld_i64(a + 8 * w) != ld_i64(b + 8 * w):
+                return True
+        return False
+    for d in range(nd):
+        if ldbits(a + d * sa, esz) != ldbits(b + d * sb, esz):
+            return True
+    return False
+
+
+@njit(**JIT)
+def write_compare(addrs, strides, caches, groups, slots, toks, esz, nh, nd, half, head):  # type: ignore[no-untyped-def]
+    """For each layer ``l`` and checked token ``toks[i]`` (written to slot ``slots[groups[l], i]``;
+    -1: nowhere): whether its computed K (bit 1) and V (bit 2) rows differ from the cache's rows at
+    that slot, in ``half[l, i]``, and the first KV head that differs, in ``head[l, i]``.
+    ``addrs[l]``: the layer's computed K and V; ``strides``: their token, head and channel strides
+    (K's, then V's); ``caches[l]``: the layer's cache K and V (cache descriptors, 6 each)."""
+    for lay in range(addrs.shape[0]):
+        c = caches[lay]
+        bs = c[1]
+        for i in range(toks.shape[0]):
+            t = toks[i]
+            s = slots[groups[lay], i]
+            half[lay, i] = 0
+            head[lay, i] = 0
+            if s < 0:
+                continue
+            kb = c[0] + (s // bs) * c[2] + (s % bs) * c[3]
+            vb = c[6] + (s // c[7]) * c[8] + (s % c[7]) * c[9]
+            ka = addrs[lay, 0] + t * strides[0]
+            va = addrs[lay, 1] + t * strides[3]
+            hf = 0
+            first = -1
+            for h in range(nh):
+                if _differs(ka + h * strides[1], strides[2], kb + h * c[4], c[5], esz, nd):
+                    hf |= 1
+                    first = h if first < 0 else first
+                if _differs(va + h * strides[4], strides[5], vb + h * c[10], c[11], esz, nd):
+                    hf |= 2
+                    first = h if first < 0 else first
+            half[lay, i] = hf
+            head[lay, i] = first if first >= 0 else 0
+
+
+@njit(inline="always", **JIT)
+def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale, softcap, sink, has_sink,
+           logits, slots, out, row):  # type: ignore[no-untyped-def]
+    """One query's error against attention over positions ``[lo, p]`` of row ``r`` (the cached ones
+    read ``shift`` blocks on); -1 where a position has no slot in the pool (shift 0 only). ``row``:
+    scratch of the head size."""
+    bs = ck[1]
+    n = p - lo + 1
+    nd = qv.shape[0]
+    mx = -math.inf
+    for j in range(n):
+        s = lookup(step, r, lo + j)
+        if s < 0 or s > limit:  # no slot (or none in the pool: the canary's verify reports that)
+            return -1.0
+        if shift != 0 and lo + j < cached:
+            s = min(max(s + shift * bs, 0), limit)
+        slots[j] = s
+        load_row(ck[0] + (s // bs) * ck[2] + (s % bs) * ck[3] + kvh * ck[4], ck[5], dt, row)
+        x = 0.0
+        for d in range(nd):
+            x += qv[d] * row[d]
+        x *= scale
+        if softcap > 0:
+            x = softcap * math.tanh(x / softcap)
+        logits[j] = x
+        mx = max(mx, x)
+    if has_sink:
+        mx = max(mx, sink)
+    den = math.exp(sink - mx) if has_sink else 0.0
+    for j in range(n):
+        logits[j] = math.exp(logits[j] - mx)
+        den += logits[j]
+    for d in range(nd):
+        out[d] = 0.0
+    vmax = 0.0
+    for j in range(n):
+        s = slots[j]
+        load_row(cv[0] + (s // bs) * cv[2] + (s % bs) * cv[3] + kvh * cv[4], cv[5], dt, row)
+        w = logits[j] / den
+        for d in range(nd):
+            out[d] += w * row[d]
+            vmax = max(vmax, abs(row[d]))
+    err = 0.0
+    for d in range(nd):
+        e = abs(ov[d] - out[d])
+        if not e <= 1e300:  # NaN or infinite
+            return 1e6
+        err = max(err, e)
+    return err / max(vmax, 1e-30)
+
+
+@njit(**JIT)
+def audit_queries(descs, steps, qt, fl, err, shift):  # type: ignore[no-untyped-def]
+    """Audited queries of one or several layers in one call. ``qt[s]``: query ``s``'s index in the
+    forward's list, its layer's index ``l`` in ``descs``, step row, batch token, head, KV head,
+    position, window start, the row's tokens cached before this forward, its sink logit's index in
+    ``fl`` (-1: none) and its index among its layer's queries. ``descs[l]``: layer ``l``'s cache K
+    and V (cache descriptors, 6 each), its queries and the engine's outputs (row descriptors, 4
+    each), the cache's and the queries' float codes, the head size, the largest slot, the index of
+    its step's descriptor in ``steps`` (its table), and whether the queries and outputs are the
+    layer's sampled rows only (row ``i``: the layer's ``i``-th query) rather than the whole batch. ``fl[3 * l : 3 * l + 3]``: layer ``l``'s scale, soft-cap (0: none) and tolerance.
+    Fills ``err`` with each query's error (:func:`kvcanary.audit.error`; -1: a position without a
+    slot) and ``shift`` with +1 or -1 where reading every cached block one page on or back gives
+    the engine's output (tried above the tolerance only)."""
+    width = 1
+    nd_max = 1
+    for s in range(qt.shape[0]):
+        width = max(width, qt[s, 6] - qt[s, 7] + 1)
+        nd_max = max(nd_max, descs[qt[s, 1], 22])
+    logits = np.empty(width, dtype=np.float64)
+    slots = np.empty(width, dtype=np.int64)
+    out = np.empty(nd_max, dtype=np.float64)
+    qv = np.empty(nd_max, dtype=np.float64)
+    ov = np.empty(nd_max, dtype=np.float64)
+    scratch = np.empty(nd_max, dtype=np.float64)
+    for s in range(qt.shape[0]):
+        k, lay, r, hd, kvh, p, lo, cached, si = (qt[s, 0], qt[s, 1], qt[s, 2], qt[s, 4], qt[s, 5], qt[s, 6],
+                                                 qt[s, 7], qt[s, 8], qt[s, 9])
+        desc = descs[lay]
+        ck, cv, q, o = desc[0:6], desc[6:12], desc[12:16], desc[16:20]
+        dt, dq, nd, limit, step = desc[20], desc[21], desc[22], desc[23], steps[desc[24]]
+        tq, hq = (qt[s, 10], 0) if desc[25] else (qt[s, 3], hd)
+        scale, softcap, tol = fl[3 * lay], fl[3 * lay + 1], fl[3 * lay + 2]
+        qs, os_, row = qv[:nd], ov[:nd], scratch[:nd]
+        load_row(q[0] + tq * q[1] + hq * q[2], q[3], dq, qs)
+        load_row(o[0] + tq * o[1] + hq * o[2], o[3], dq, os_)
+        has_sink = si >= 0
+        sink = fl[si] if has_sink else 0.0
+        e = _error(ck, cv, dt, qs, os_, step, r, lo, p, kvh, cached, 0, limit, scale, softcap, sink, has_sink,
+                   logits, slots, out, row)
+        err[k] = e
+        shift[k] = 0
+        if e > tol:
+            for sh in (1, -1):
+                if _error(ck, cv, dt, qs, os_, step, r, lo, p, kvh, cached, sh, limit, scale, softcap, sink, has_sink,
+                          logits, slots, out, row) <= tol:
+                    shift[k] = sh
+                    break
+
+
+def step_desc(step: torch.Tensor) -> np.ndarray:
+    """A step's descriptor (:func:`kvcanary.fused._step.describe`), for :func:`audit_queries`'s ``steps``."""
+    from kvcanary.fused._step import describe
+
+    return describe(step)  # type: ignore[arg-type]
