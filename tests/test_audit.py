@@ -12,7 +12,7 @@ import torch
 
 from kvcanary import CanaryConfig, Check, KvCorruptionError
 from kvcanary import audit
-from kvcanary.audit import ForwardAudit, Query, attend, check_layer, plan_layer, write_mismatch
+from kvcanary.audit import ForwardAudit, Query, attend, check_layer, plan_layers, write_mismatch
 from kvcanary.engines import transformers_audit
 from kvcanary.engines.hf_models import cb_configs, tiny_arch
 from kvcanary.engines.transformers import protect, tiny_model
@@ -133,7 +133,8 @@ def test_the_default_budget_finds_a_one_request_kernel_bug_as_its_rotation_comes
     assert hits[0].step - fault.injected_at < 8
 
 
-@pytest.mark.parametrize("target", ["attend", "write_mismatch", "plan_layer", "drain"])
+@pytest.mark.parametrize("target", ["attend", "write_mismatch", "plan_layers", "drain", "write_compare",
+                                    "audit_queries"])
 def test_an_audit_failure_never_reaches_the_engine_in_log_mode(monkeypatch, target):
     model = tiny_model(seed=0, layers=2)
     ps = prompts(8, seed=4)
@@ -144,12 +145,15 @@ def test_an_audit_failure_never_reaches_the_engine_in_log_mode(monkeypatch, targ
     def boom(*a, **k):
         raise RuntimeError("injected failure inside the audit")
 
-    owner = {"attend": audit, "write_mismatch": transformers_audit, "plan_layer": transformers_audit,
-             "drain": audit.Auditor}[target]
+    from kvcanary.fused import audit as fused_audit
+
+    owner = {"attend": audit, "write_mismatch": transformers_audit, "plan_layers": transformers_audit,
+             "drain": audit.Auditor, "write_compare": fused_audit, "audit_queries": fused_audit}[target]
     monkeypatch.setattr(owner, target, boom)
+    backend = "fused" if owner is fused_audit else "torch"  # each function is reached on its own path
     logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
     try:
-        with torch.inference_mode(), protect(model, CanaryConfig(mode="log", audit_queries=8)) as g:
+        with torch.inference_mode(), protect(model, CanaryConfig(mode="log", audit_queries=8, backend=backend)) as g:
             out = model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb)
     finally:
         logging.getLogger("kvcanary").setLevel(logging.WARNING)
@@ -169,7 +173,7 @@ def test_an_audit_failure_in_raise_mode_reaches_the_callers_thread(monkeypatch):
     logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
     try:
         with pytest.raises(RuntimeError, match="inside the audit"):
-            with torch.inference_mode(), protect(model, CanaryConfig(mode="raise")):
+            with torch.inference_mode(), protect(model, CanaryConfig(mode="raise", backend="torch")):
                 model.generate_batch(prompts(4, seed=5), generation_config=gen, continuous_batching_config=cb)
     finally:
         logging.getLogger("kvcanary").setLevel(logging.WARNING)
@@ -210,9 +214,10 @@ def test_the_audits_device_work_never_syncs_the_host():
     step = Step(slot_table=table, cached_lens=torch.tensor([19, 29]), new_offsets=torch.tensor([0, 1, 2]),
                 new_tokens=torch.tensor([5, 6]), new_positions=torch.tensor([19, 29]), new_slots=torch.tensor([19, 59]))
     queries = [Query(0, r, r, rng.randrange(hq), p, p, None) for r, p in ((0, 19), (1, 29))]
-    fa = ForwardAudit(0, np.array([0, 1]), np.array([19, 29]), {None: step.new_slots}, queries,
+    fa = ForwardAudit(0, np.array([0, 1, 2]), np.array([19, 29]), {None: step.new_slots}, queries,
                       torch.full((2,), -1.0), torch.zeros(2, dtype=torch.int64), torch.zeros(2))
-    plan = plan_layer(queries, [0, 1], None, torch.device("cpu"))
+    plan = plan_layers(queries, {}, torch.device("cpu"))[0]
+    plan.grid  # the plan's device tensors are made on the host, before the forward
     query = torch.randn(1, hq, 2, d)
     out = torch.randn(1, 2, hq, d)
     with no_host_sync():
@@ -232,3 +237,35 @@ def test_the_audits_device_work_never_syncs_the_host():
     found.pending.append(fa)
     vs = found.drain()  # random engine outputs: both queries are far off
     assert [v.site for v in vs] == [Site.AUDIT, Site.AUDIT] and [v.position for v in vs] == [19, 29]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_the_compiled_audit_equals_the_torch_reference(arch, dtype):
+    """The same forwards audited by the compiled loops and by the torch reference: the same queries,
+    the same errors within float rounding, the same write checks; both with and without a fault."""
+    model = tiny_arch(arch, seed=3).to(dtype)
+    ps = prompts(10, seed=8)
+    gen, cb = cb_configs(max_new_tokens=8)
+    runs = {}
+    for backend in ("fused", "torch"):
+        fault = CbFault("heads_reversed" if arch != "mistral" else "window_one_short", at=4)
+        logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
+        try:
+            with torch.inference_mode(), protect(model, CanaryConfig(mode="log", content_budget_bytes=None,
+                                                                     audit_queries=16, backend=backend)) as g:
+                g.audit.auditor.errors = []
+                g.hooks.append(fault)
+                model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb)
+        finally:
+            logging.getLogger("kvcanary").setLevel(logging.WARNING)
+        runs[backend] = g
+    f, t = runs["fused"], runs["torch"]
+    assert f.audit._fused and not t.audit._fused
+    ef, et = np.array(f.audit.auditor.errors), np.array(t.audit.auditor.errors)
+    assert ef.shape == et.shape and len(ef) > 50
+    assert np.allclose(ef, et, rtol=1e-3, atol=audit.tolerance(dtype) / 100)
+    key = lambda v: (v.site, v.step, v.row, v.position, v.aux, v.expected_token)  # noqa: E731
+    assert sorted(map(key, f.violations)) == sorted(map(key, t.violations))
+    assert f.violations or dtype == torch.bfloat16  # bf16's tolerance may hide this tiny model's fault
+    assert f.stats()["write_slots_checked"] == t.stats()["write_slots_checked"] > 0

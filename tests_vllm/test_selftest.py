@@ -20,7 +20,12 @@ VLLM_FAULTS = {
     "write_null_block": {"CONTENT"},
     "keep_rejected_drafts": {"EMPTY", "POSITION", "LINK", "TOKEN"},
     "rollback_one_short": {"EMPTY", "POSITION", "LINK", "TOKEN"},
+    # inside the first layer's attention (kvcanary.audit): found with the audit, missed without it
+    "kernel_read_next_page": {"ATTENTION"},
+    "kernel_write_zeros": {"WRITE_CONTENT"},
+    "kernel_scale_of_one": {"ATTENTION"},
 }
+AUDIT_FAULTS = {"kernel_read_next_page", "kernel_write_zeros", "kernel_scale_of_one"}
 # fault -> where its first detection must come from
 SITES = {"flip_first_read": "[first_read step", "write_null_block": "[guard step"}
 
@@ -52,6 +57,8 @@ def test_selftest_vllm_fault_is_detected_in_time(matrix, fault):
     assert row["harmful_tokens_max"] is not None  # log mode: the tokens sampled from corrupted KV, counted
     if fault in SITES:  # the first-read check (no content window, no patrol) and the null block's guard
         assert all(SITES[fault] in (f or "") for f in row["first_detections"]), row
+    # the audit's faults run again without the write check and read audit, where nothing is found
+    assert row["missed_without_audit"] == (1 if fault in AUDIT_FAULTS else None), row
 
 
 @pytest.mark.parametrize("fault", [f for f in VLLM_FAULTS if f != "write_null_block"])
