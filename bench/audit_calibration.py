@@ -86,8 +86,15 @@ class Recorder:
                 if not fa.queries:
                     continue
                 n = len(fa.queries)
-                smax = fa._smax.tolist() if hasattr(fa, "_smax") else [None] * n
-                pmean = fa._pmean.tolist() if hasattr(fa, "_pmean") else [None] * n
+                smax: list[Any] = [None] * n
+                pmean: list[Any] = [None] * n
+                if hasattr(fa, "_smax"):  # the torch reference
+                    smax, pmean = fa._smax.tolist(), fa._pmean.tolist()
+                got = _FUSED_STATS.pop(id(fa.err), None)
+                if got is not None and got[0] is fa.err:  # the compiled audit
+                    smax, pmean = got[1].tolist(), got[2].tolist()
+                smax = [None if x is not None and x < 0 else x for x in smax]
+                pmean = [None if x is not None and x < 0 else x for x in pmean]
                 for q, e, t, sm, pm in zip(fa.queries, fa.err.tolist(), fa.tol.tolist(), smax, pmean):
                     if e >= 0:
                         self.queries.append(dict(step=fa.step, layer=q.layer, row=q.row, head=q.head,
@@ -103,17 +110,104 @@ class Recorder:
 UNIT = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
 
+_FUSED_STATS: dict[int, tuple[Any, Any, Any]] = {}  # id(err array) -> (err, smax, pmean), until drained
+_fused_loop: Any = None
+
+
+def _fused_stats_loop() -> Any:
+    """A compiled loop over the compiled audit's own arguments (:func:`kvcanary.fused.audit.audit_queries`)
+    that computes each query's ``smax`` and ``pmean`` the way its reference reads the logits (shift 0)."""
+    global _fused_loop
+    if _fused_loop is None:
+        import math
+
+        import numpy as np
+        from numba import njit
+
+        from kvcanary.fused._step import lookup
+        from kvcanary.fused.audit import load_row
+
+        @njit(cache=False)
+        def loop(descs, steps, qt, fl, smax, pmean):  # type: ignore[no-untyped-def]
+            width, nd_max = 1, 1
+            for s in range(qt.shape[0]):
+                width = max(width, qt[s, 6] - qt[s, 7] + 1)
+                nd_max = max(nd_max, descs[qt[s, 1], 22])
+            logits = np.empty(width)
+            qv = np.empty(nd_max)
+            row = np.empty(nd_max)
+            for s in range(qt.shape[0]):
+                k, lay, r, hd, kvh, p, lo = qt[s, 0], qt[s, 1], qt[s, 2], qt[s, 4], qt[s, 5], qt[s, 6], qt[s, 7]
+                desc = descs[lay]
+                ck, q = desc[0:6], desc[12:16]
+                dt, dq, nd, limit, step = desc[20], desc[21], desc[22], desc[23], steps[desc[24]]
+                tq, hq = (qt[s, 10], 0) if desc[25] else (qt[s, 3], hd)
+                scale, softcap = fl[3 * lay], fl[3 * lay + 1]
+                qs, rw = qv[:nd], row[:nd]
+                load_row(q[0] + tq * q[1] + hq * q[2], q[3], dq, qs)
+                bs = ck[1]
+                n = p - lo + 1
+                mx = -math.inf
+                ok = True
+                for j in range(n):
+                    sl = lookup(step, r, lo + j)
+                    if sl < 0 or sl > limit:
+                        ok = False
+                        break
+                    load_row(ck[0] + (sl // bs) * ck[2] + (sl % bs) * ck[3] + kvh * ck[4], ck[5], dt, rw)
+                    x = 0.0
+                    for d in range(nd):
+                        x += qs[d] * rw[d]
+                    x *= scale
+                    if softcap > 0:
+                        x = softcap * math.tanh(x / softcap)
+                    logits[j] = x
+                    mx = max(mx, x)
+                if not ok:
+                    continue
+                sink = fl[qt[s, 9]] if qt[s, 9] >= 0 else -math.inf
+                mx = max(mx, sink)
+                den = math.exp(sink - mx) if qt[s, 9] >= 0 else 0.0
+                big, acc = 0.0, 0.0
+                for j in range(n):
+                    w = math.exp(logits[j] - mx)
+                    den += w
+                    acc += w * abs(logits[j])
+                    big = max(big, abs(logits[j]))
+                smax[k] = big
+                pmean[k] = acc / den
+
+        _fused_loop = loop
+    return _fused_loop
+
+
 @contextlib.contextmanager
 def logit_stats() -> Iterator[bool]:
     """Record each audited query's logit size beside its error: ``smax``, the largest |scaled logit| it
-    reads, and ``pmean``, the probability-weighted mean |logit| (fp32, from the cache bytes the audit
-    reads). Wraps the adapter's ``check_layer``; yields False where this version has none."""
+    reads, and ``pmean``, the probability-weighted mean |logit| (from the cache bytes the audit reads).
+    Wraps the adapter's torch reference (``check_layer``) and the compiled audit (``audit_queries``,
+    the CPU path); yields False where this version has neither."""
+    import numpy as np
+
     from kvcanary.engines import transformers_audit as ta
 
     orig = getattr(ta, "check_layer", None)
-    if orig is None:
+    try:
+        from kvcanary.fused import audit as fused
+    except Exception:
+        fused = None
+    orig_fused = getattr(fused, "audit_queries", None) if fused is not None else None
+    if orig is None and orig_fused is None:
         yield False
         return
+
+    def audit_queries(descs: Any, steps: Any, qt: Any, fl: Any, err: Any, shift: Any) -> None:
+        orig_fused(descs, steps, qt, fl, err, shift)
+        got = _FUSED_STATS.get(id(err))
+        if got is None or got[0] is not err:
+            got = (err, np.full(len(err), -1.0), np.full(len(err), -1.0))
+            _FUSED_STATS[id(err)] = got
+        _fused_stats_loop()(descs, steps, qt, fl, got[1], got[2])
 
     def check_layer(fa: Any, plan: Any, slots: torch.Tensor, q: torch.Tensor, engine_out: torch.Tensor, read: Any,
                     scale: float, softcap: Any, sink: Any, tol: float) -> None:
@@ -133,11 +227,18 @@ def logit_stats() -> Iterator[bool]:
         fa._smax[plan.picked] = mag.amax(1).cpu()
         fa._pmean[plan.picked] = (p * mag).sum(1).cpu()
 
-    ta.check_layer = check_layer
+    if orig is not None:
+        ta.check_layer = check_layer
+    if orig_fused is not None:
+        fused.audit_queries = audit_queries
     try:
         yield True
     finally:
-        ta.check_layer = orig
+        if orig is not None:
+            ta.check_layer = orig
+        if orig_fused is not None:
+            fused.audit_queries = orig_fused
+        _FUSED_STATS.clear()
 
 
 class LogCapture(logging.Handler):
@@ -247,6 +348,7 @@ def run_clean(cfg: Any, dtype: str, factor: float = 1.0) -> dict[str, Any]:
     return {
         "config": asdict(cfg), "label": cfg.label(), "dtype": dtype, "arch": cfg.arch,
         "attn_implementation": str(model.config._attn_implementation),
+        "audit_path": "compiled" if getattr(guard.audit, "_fused", False) else "torch",
         "forwards": st["forwards"], "audit_queries": st.get("audit_queries", 0),
         "audit_forwards_skipped": st.get("audit_forwards_skipped", 0),
         "write_slots_checked": st.get("write_slots_checked", 0),
@@ -324,6 +426,7 @@ def run_faulty(fc: Any, dtype: str, seed: int, factor: float = 1.0) -> dict[str,
     tol = aff[0]["tol"] if aff else (rec.queries[0]["tol"] if rec.queries else None)
     return {
         "fault": fc.name, "injector": injector, "dtype": dtype, "seed": seed, "injected_at": at,
+        "audit_path": "compiled" if getattr(guard.audit, "_fused", False) else "torch",
         "landed_at": fault.landed_at, "detail": {k: v for k, v in fault.detail.items() if k != "watch_block"},
         "detected": bool(hits), "tolerance": tol, "violation_tolerances": hit_tol,
         "violations": len(hits), "violation_error": summary(hit_err),
@@ -411,6 +514,7 @@ def main() -> int:
     norm_by_dtype: dict[str, list[float]] = {d: [] for d in DTYPES}
     normpm_by_dtype: dict[str, list[float]] = {d: [] for d in DTYPES}
     arch_max: dict[str, dict[str, float]] = {d: {} for d in DTYPES}
+    impl_max: dict[str, dict[str, float]] = {d: {} for d in DTYPES}  # sdpa vs eager (rounds the logits)
     for k, (cfg, dtype) in enumerate(zip(configs, dtypes)):
         with contextlib.redirect_stdout(sys.stderr):
             res = run_clean(cfg, dtype, args.sharpen)
@@ -420,12 +524,15 @@ def main() -> int:
         normpm_by_dtype[dtype] += res.pop("_norm_pm")
         if errs:
             arch_max[dtype][cfg.arch] = max(arch_max[dtype].get(cfg.arch, 0.0), max(errs))
+            impl = res["attn_implementation"]
+            impl_max[dtype][impl] = max(impl_max[dtype].get(impl, 0.0), max(errs))
         clean.append(res)
         bad = [f"{res['violations']} VIOLATION(S)" if res["violations"] else "",
                f"{res['internal_errors']} INTERNAL ERROR(S)" if res["internal_errors"] else "",
                f"{res['request_errors']} failed requests" if res["request_errors"] else "",
                f"exception {res['exception']}" if res["exception"] else ""]
-        print(f"[clean {k + 1}/{len(configs)}] {dtype:8s} {res['label']} ({res['attn_implementation']}): "
+        print(f"[clean {k + 1}/{len(configs)}] {dtype:8s} {res['label']} ({res['attn_implementation']}, "
+              f"{res['audit_path']} audit): "
               f"{res['forwards']} forwards, {res['queries_audited']} queries, max error {fmt(res['error']['max'])} "
               f"(max |logit| {fmt(res['smax'])}, max err/(u(1+|s|max)) {fmt(res['normalized_max'])}) "
               f"(tol {tolerances[dtype]:g}) {' '.join(b for b in bad if b)} ({res['seconds']:.1f} s)", flush=True)
@@ -466,17 +573,18 @@ def main() -> int:
         pass
     print("\n== clean (per dtype) ==")
     print(f"{'dtype':9s} {'configs':>7s} {'queries':>8s} {'p50':>9s} {'p99':>9s} {'p99.9':>9s} {'max':>9s} "
-          f"{'tol':>7s} {'viol':>5s} {'int.err':>7s}  per-arch max")
+          f"{'tol':>7s} {'viol':>5s} {'int.err':>7s}  per-arch max; per-implementation max")
     for d in DTYPES:
         s = summary(errs_by_dtype[d])
         rows = [r for r in clean if r["dtype"] == d]
         viol = sum(r["violations"] for r in rows)
         ierr = sum(r["internal_errors"] for r in rows)
         arch = ", ".join(f"{a}={fmt(v)}" for a, v in sorted(arch_max[d].items()))
+        arch += "; " + ", ".join(f"{a}={fmt(v)}" for a, v in sorted(impl_max[d].items()))
         print(f"{d:9s} {len(rows):7d} {s['n']:8d} {fmt(s['p50']):>9s} {fmt(s['p99']):>9s} {fmt(s['p999']):>9s} "
               f"{fmt(s['max']):>9s} {tolerances[d]:7.0e} {viol:5d} {ierr:7d}  {arch}")
         report["dtypes"][d] = {"clean": {**s, "configs": len(rows), "violations": viol, "internal_errors": ierr,
-                                         "per_arch_max": arch_max[d],
+                                         "per_arch_max": arch_max[d], "per_implementation_max": impl_max[d],
                                          "max_abs_logit": max((r["smax"] for r in rows if r["smax"] is not None),
                                                               default=None),
                                          "normalized_smax": summary(norm_by_dtype[d]),
@@ -534,18 +642,21 @@ def main() -> int:
                   f"every run detected below {fmt(m['smallest_detect_threshold'])} ({tight}; "
                   f"{fmt(m['ratio_detect_threshold_to_clean_max'])}x the clean max); "
                   f"missed: {', '.join(missed) or 'none'}")
-    # a tolerance that scales with the logits: c * u * (1 + max |logit|), c = 5x the largest normalized clean error
-    print("\n== scale-aware tolerance: c * u(dtype) * (1 + max |logit| read), errors in units of u * (1 + |s|) ==")
+    # a tolerance that scales with the logits: c * u * (1 + |s|), c per dtype = 5x its largest normalized clean error
+    print("\n== scale-aware tolerance: c(dtype) * u(dtype) * (1 + |s|), |s| the max or the p-weighted mean |logit| "
+          "a query reads; c = 5x the dtype's largest clean error in units of u * (1 + |s|) ==")
     for key, label in (("smax", "max |logit|"), ("pmean", "p-weighted mean |logit|")):
         by = norm_by_dtype if key == "smax" else normpm_by_dtype
         cmax = {d: max(v) if v else None for d, v in by.items()}
-        c = 5 * max((v for v in cmax.values() if v is not None), default=0.0)
-        print(f"{label}: clean maxima " + ", ".join(f"{d} {fmt(v)}" for d, v in cmax.items()) + f"; c = {fmt(c)}")
-        rows: dict[str, Any] = {"clean_normalized_max": cmax, "c": c, "faulty": {}}
+        cs = {d: 5 * v if v is not None else None for d, v in cmax.items()}
+        print(f"{label}: clean maxima " + ", ".join(f"{d} {fmt(v)}" for d, v in cmax.items())
+              + "; c " + ", ".join(f"{d} {fmt(v)}" for d, v in cs.items()))
+        rows: dict[str, Any] = {"clean_normalized_max": cmax, "c": cs, "faulty": {}}
         for name in classes:
             for d in DTYPES:
                 runs = [r for r in faulty if r["fault"] == name and r["dtype"] == d]
-                if not runs:
+                c = cs[d]
+                if not runs or c is None:
                     continue
                 idx = 1 if key == "smax" else 2  # (err, smax, pmean) of each affected query
                 norm = [[q[0] / (UNIT[d] * (1 + q[idx])) for q in r["_aff_q"] if q[idx] is not None] for r in runs]

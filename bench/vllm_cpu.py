@@ -1,9 +1,11 @@
 """Generation throughput of vLLM's CPU build with the canary off and on, in the same run.
 
 Modes: ``off`` (no connector); ``on`` (the connector, default content budget:
-KVCANARY_CONTENT_BUDGET_BYTES unset); ``on_full`` (every read byte verified:
-KVCANARY_CONTENT_BUDGET_BYTES=none); ``on_meta`` (metadata only: KVCANARY_CONTENT=none). Every round
-runs each mode once in that order, so off and on runs alternate over ``--rounds`` rounds; each run is
+KVCANARY_CONTENT_BUDGET_BYTES unset); ``on_noaudit`` (as ``on``, without the write check and read
+audit: KVCANARY_WRITE_CHECK=0 KVCANARY_AUDIT_QUERIES=0, so ``x_off`` of ``on`` minus that of
+``on_noaudit`` is the audit's added wall time); ``on_full`` (every read byte verified:
+KVCANARY_CONTENT_BUDGET_BYTES=none); ``on_meta`` (metadata only: KVCANARY_CONTENT=none). ``--modes``
+picks some (``off`` always runs). Every round runs each mode once in that order, so off and on runs alternate over ``--rounds`` rounds; each run is
 a fresh vLLM engine in its own process (:func:`kvcanary.faults.vllm_runner.run_in_subprocess`: vLLM
 keeps per-process globals). Only the generate call is timed: engine start and a 4-request warm-up
 generate on other prompts are not (the canary's counters leave the warm-up out too).
@@ -22,7 +24,7 @@ plus 3 to 30 own tokens, greedy, ``--max-tokens`` 96 new tokens each, at most 16
 the mode's median wall time over off's, from this run). Exit status 1 if any run reported a
 violation or an internal error, or generated other tokens than the first run.
 
-    .venv-vllm/bin/python bench/vllm_cpu.py [--rounds 3] [--threads 1] [--bind]
+    .venv-vllm/bin/python bench/vllm_cpu.py [--rounds 3] [--threads 1] [--bind] [--modes off,on,on_noaudit]
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvcanary.faults.vllm_runner import run_in_subprocess, save_tiny_llama
 MODES: dict[str, dict[str, str] | None] = {
     "off": None,
     "on": {},
+    "on_noaudit": {"KVCANARY_WRITE_CHECK": "0", "KVCANARY_AUDIT_QUERIES": "0"},
     "on_full": {"KVCANARY_CONTENT_BUDGET_BYTES": "none"},
     "on_meta": {"KVCANARY_CONTENT": "none"},
 }
@@ -68,15 +71,16 @@ def line(rnd: int, mode: str, out: dict[str, Any]) -> dict[str, Any]:
         "canary_share": round(st.get("canary_us", 0) / 1e6 / wall, 4),
         "slots_verified": st.get("slots_verified", 0), "content_bytes_verified": st.get("content_bytes_verified", 0),
         "content_slots_skipped": st.get("content_slots_skipped", 0), "violations": st.get("violations", 0),
-        "internal_errors": st.get("internal_errors", 0),
+        "internal_errors": st.get("internal_errors", 0), "audit_queries": st.get("audit_queries", 0),
+        "write_slots_checked": st.get("write_slots_checked", 0),
     }
 
 
-def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summary(rows: list[dict[str, Any]], modes: list[str]) -> list[dict[str, Any]]:
     """Per mode: medians over the rounds, and the median wall time over off's."""
-    med = {m: statistics.median(r["wall_s"] for r in rows if r["mode"] == m) for m in MODES}
+    med = {m: statistics.median(r["wall_s"] for r in rows if r["mode"] == m) for m in modes}
     out = []
-    for m in MODES:
+    for m in modes:
         mine = [r for r in rows if r["mode"] == m]
         out.append({
             "mode": m, "wall_s": round(med[m], 3), "x_off": round(med[m] / med["off"], 3),
@@ -107,7 +111,12 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     args = ap.parse_args()
+    modes = ["off"] + [m for m in args.modes.split(",") if m != "off"]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes: expected names of {', '.join(MODES)}, got {', '.join(bad)}")
     rows: list[dict[str, Any]] = []
     first: list[list[int]] | None = None  # the first run's tokens: every run must generate the same
     same = True
@@ -115,7 +124,7 @@ def main() -> int:
         save_tiny_llama(model, layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2,
                         intermediate=3 * args.hidden)
         for rnd in range(args.rounds):
-            for mode in MODES:
+            for mode in modes:
                 out = run_mode(mode, model, args)
                 rows.append(line(rnd, mode, out))
                 print(json.dumps(rows[-1]), flush=True)
@@ -125,7 +134,7 @@ def main() -> int:
     print(f"\nvLLM CPU, llama layers={args.layers} hidden={args.hidden}, {args.requests} requests x "
           f"{args.max_tokens} new tokens, OMP_NUM_THREADS={args.threads}{' bound' if args.bind else ''}, "
           f"{args.rounds} rounds; medians; tokens identical in every run: {same}")
-    sums = summary(rows)
+    sums = summary(rows, modes)
     table(sums)
     return 0 if same and all(s["violations"] == 0 for s in sums) else 1
 

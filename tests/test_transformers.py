@@ -223,6 +223,7 @@ def test_demo_main_job_reports_a_clean_run_and_every_injected_detection(capsys):
     assert main(["demo", "--layers", "2", "--inject", "--json"]) == 0
     out = __import__("json").loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["violations"] == 0 and out["outputs_identical"] is True and out["slots_verified"] > 0
+    assert out["write_slots_checked"] > 0 and out["attention_queries_audited"] > 0  # the audit ran, clean
     assert [f["fault"] for f in out["injected"]] == ["flip_shared_byte", "redirect_table_entry", "free_shared_block"]
     assert all(f["detected"] and "request" in f["first_detection"] for f in out["injected"])
 

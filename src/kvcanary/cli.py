@@ -103,6 +103,8 @@ def _scripted_run(args: argparse.Namespace, config: CanaryConfig) -> int:
         "content_bytes_stamped": st["content_bytes_stamped"],
         "content_bytes_verified": st["content_bytes_verified"],
         "slots_unverifiable": st["slots_unverifiable"],  # read but never seen written (counted, not checked)
+        "write_slots_checked": st.get("write_slots_checked", 0),  # new tokens' K/V against the cache, per layer
+        "attention_queries_audited": st.get("audit_queries", 0),  # recomputed from the verified KV
         **_coverage(st),
         "violations": st["violations"],
         "internal_errors": st["internal_errors"],
@@ -218,6 +220,8 @@ def _transformers_run(args: argparse.Namespace, config: CanaryConfig) -> int:
         "slots_stamped": st["slots_stamped"],
         "content_bytes_checked": st["content_bytes_verified"] + st["content_bytes_stamped"],
         "slots_unverifiable": st["slots_unverifiable"],  # read but never seen written (counted, not checked)
+        "write_slots_checked": st.get("write_slots_checked", 0),  # new tokens' K/V against the cache, per layer
+        "attention_queries_audited": st.get("audit_queries", 0),  # recomputed from the verified KV
         **_coverage(st),
         "violations": st["violations"],
         "internal_errors": st["internal_errors"],
