@@ -1,9 +1,10 @@
 """Calibration of the read audit's tolerances (:data:`kvcanary.audit.TOLERANCE`): clean errors
 against injected kernel faults' errors, per compute dtype.
 
-The read audit recomputes sampled attention queries in fp32 from the KV cache and compares them
-with the engine's output; a query's error is max|engine - ref| / max|V read|, and an error above
-the dtype's tolerance is an ``ATTENTION`` violation. A tolerance must sit above every clean error
+The read audit recomputes sampled attention queries from the KV cache (fp32 torch ops; fp64 in the
+compiled CPU loops) and compares them with the engine's output; a query's error is
+max|engine - ref| / max|V read|, and an error above the dtype's tolerance is an ``ATTENTION``
+violation. A tolerance must sit above every clean error
 (no false positive) and below the errors a kernel fault gives (no missed fault). This measures both:
 
 - **clean**: randomized transformers continuous-batching configurations
@@ -22,10 +23,20 @@ the dtype's tolerance is an ``ATTENTION`` violation. A tolerance must sit above 
   the window fault) and the ``ATTENTION`` violations reported are recorded.
 
 Prints one progress line per configuration and per faulty run, then the per-dtype summary: clean
-queries audited, p50 / p99 / p99.9 / max clean error and each architecture's maximum; per fault
-class and dtype whether it was detected and the errors of its violations and affected queries;
-the ratio of the smallest faulty error to the largest clean error; the current tolerances. Writes
-everything as one JSON file, ``bench/results/audit_calibration_<commit>.json`` (``--out`` another).
+queries audited, p50 / p99 / p99.9 / max clean error and each architecture's and attention
+implementation's maximum; per fault class and dtype whether it was detected, the errors of its
+violations and affected queries, and the loosest tolerance that still detects every run (the
+smallest run's largest affected error); the ratios of the smallest faulty errors to the largest
+clean error; the current tolerances. Writes everything as one JSON file,
+``bench/results/audit_calibration_<commit>.json`` (``--out`` another), ``<commit>`` being the
+checkout of the kvcanary package imported (a worktree on ``PYTHONPATH`` measures another commit;
+``src_changes`` lists its uncommitted src files).
+
+Each audited query's logit size is recorded too (the largest |scaled logit| it reads and the
+probability-weighted mean |logit|, recomputed from the same cache bytes by a wrapper of the torch
+reference and of the compiled audit), and a tolerance that scales with it,
+``c * u(dtype) * (1 + |s|)`` (``u`` the dtype's unit roundoff), is evaluated against both
+distributions, ``c`` per dtype set to 5x the largest clean error in those units.
 
 The tiny models have random weights and attend almost uniformly (|logit| below ~0.3); trained
 models' logits reach ~10-30, where a kernel that rounds the logits to the compute dtype errs more,
@@ -119,8 +130,6 @@ def _fused_stats_loop() -> Any:
     that computes each query's ``smax`` and ``pmean`` the way its reference reads the logits (shift 0)."""
     global _fused_loop
     if _fused_loop is None:
-        import math
-
         import numpy as np
         from numba import njit
 
@@ -191,12 +200,13 @@ def logit_stats() -> Iterator[bool]:
 
     from kvcanary.engines import transformers_audit as ta
 
-    orig = getattr(ta, "check_layer", None)
+    orig: Any = getattr(ta, "check_layer", None)
+    fused: Any = None
     try:
         from kvcanary.fused import audit as fused
     except Exception:
-        fused = None
-    orig_fused = getattr(fused, "audit_queries", None) if fused is not None else None
+        pass
+    orig_fused: Any = getattr(fused, "audit_queries", None) if fused is not None else None
     if orig is None and orig_fused is None:
         yield False
         return
@@ -552,6 +562,7 @@ def main() -> int:
                     with contextlib.redirect_stdout(sys.stderr):
                         res = run_faulty(BY_NAME[name], dtype, seed, args.sharpen)
                     faulty.append(res)
+                    ierr_note = f"; {res['internal_errors']} INTERNAL ERROR(S)" if res["internal_errors"] else ""
                     print(f"[fault {n}/{total}] {dtype:8s} {name} seed={seed}: injected at forward "
                           f"{res['injected_at']}, {'detected' if res['detected'] else 'MISSED'} "
                           f"({res['violations']} violations, min error {fmt(res['violation_error']['min'])}); "
@@ -559,7 +570,7 @@ def main() -> int:
                           f"median {fmt(res['affected_median'])}, {res['affected_above_tolerance']} above tol "
                           f"{fmt(res['tolerance'])}"
                           f"{'; FALSE POSITIVE before injection' if res['false_positives_before_injection'] else ''}"
-                          f"{'; ' + str(res['internal_errors']) + ' INTERNAL ERROR(S)' if res['internal_errors'] else ''}"
+                          f"{ierr_note}"
                           f" ({res['seconds']:.1f} s)", flush=True)
 
     # summary
@@ -636,7 +647,8 @@ def main() -> int:
                  "ratio_detect_threshold_to_clean_max": ratio(thr.get(tight)) if tight else None}
             report["dtypes"][d]["margin"] = m
             print(f"{d:9s} clean max {fmt(cmax)}; tolerance {tolerances[d]:g} ({fmt(m['tolerance_over_clean_max'])}x "
-                  f"the clean max); smallest violation error {fmt(vmin)} ({fmt(m['ratio_violation_min_to_clean_max'])}x); "
+                  f"the clean max); smallest violation error {fmt(vmin)} "
+                  f"({fmt(m['ratio_violation_min_to_clean_max'])}x); "
                   f"smallest affected-query error {fmt(amin)} ({fmt(m['ratio_affected_min_to_clean_max'])}x), "
                   f"smallest class p10 {fmt(p10)} ({fmt(m['ratio_affected_p10_to_clean_max'])}x); "
                   f"every run detected below {fmt(m['smallest_detect_threshold'])} ({tight}; "
@@ -651,7 +663,7 @@ def main() -> int:
         cs = {d: 5 * v if v is not None else None for d, v in cmax.items()}
         print(f"{label}: clean maxima " + ", ".join(f"{d} {fmt(v)}" for d, v in cmax.items())
               + "; c " + ", ".join(f"{d} {fmt(v)}" for d, v in cs.items()))
-        rows: dict[str, Any] = {"clean_normalized_max": cmax, "c": cs, "faulty": {}}
+        scaled: dict[str, Any] = {"clean_normalized_max": cmax, "c": cs, "faulty": {}}
         for name in classes:
             for d in DTYPES:
                 runs = [r for r in faulty if r["fault"] == name and r["dtype"] == d]
@@ -663,12 +675,12 @@ def main() -> int:
                 run_max = [max(n, default=0.0) for n in norm]
                 caught = sum(m > c for m in run_max)
                 frac = [sum(x > c for x in n) for n in norm]
-                rows["faulty"].setdefault(name, {})[d] = {"runs": len(runs), "detected_runs": caught,
-                                                          "run_max_min": min(run_max),
-                                                          "queries_above": sum(frac),
-                                                          "queries": sum(len(r["_aff_q"]) for r in runs)}
-        report[f"scale_aware_{key}"] = rows
-        for name, per in rows["faulty"].items():
+                scaled["faulty"].setdefault(name, {})[d] = {"runs": len(runs), "detected_runs": caught,
+                                                            "run_max_min": min(run_max),
+                                                            "queries_above": sum(frac),
+                                                            "queries": sum(len(r["_aff_q"]) for r in runs)}
+        report[f"scale_aware_{key}"] = scaled
+        for name, per in scaled["faulty"].items():
             print(f"  {name:22s} " + "  ".join(
                 f"{d} {v['detected_runs']}/{v['runs']} runs (min run max {fmt(v['run_max_min'])}, "
                 f"{v['queries_above']}/{v['queries']} q)" for d, v in per.items()))
