@@ -63,7 +63,8 @@ class CanaryConfig:
         verified cache and compared with the engine's (rotating over layers, requests and heads);
         0 turns the read audit off
     audit_tolerance : the largest accepted error of an audited query, as a fraction of the largest
-        |V| it reads; ``None``: derived from the compute dtype (:func:`kvcanary.audit.tolerance`)
+        |V| it reads; ``None``: derived from the compute dtype and the query's logit size
+        (:data:`kvcanary.audit.TOLERANCE`)
     """
 
     mode: Mode = "log"

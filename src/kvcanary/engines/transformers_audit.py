@@ -311,7 +311,7 @@ class CbAudit:
         fa, qt = self.fa, self._qt
         assert fa is not None and qt is not None
         steps, step_index, descs = [], {}, []
-        fl = np.zeros(3 * len(self._qlayers) + len(qt))
+        fl = np.zeros(4 * len(self._qlayers) + len(qt))
         keep = np.zeros(len(qt), dtype=bool)
         for li, layer in enumerate(self._qlayers):
             got = self.qstash.get(layer)
@@ -328,11 +328,9 @@ class CbAudit:
             d[12:20] = rows_desc(query, 2, 1, 3) + rows_desc(out, 1, 2, 3) if not gathered else \
                 rows_desc(query, 0, 1, 2) + rows_desc(out, 0, 1, 2)
             d[21], d[22], d[24], d[25] = DTYPES.get(query.dtype, -1), query.shape[-1], step_index[name], int(gathered)
-            tol = self.auditor.tolerance_for(query.dtype)
-            fl[3 * li: 3 * li + 3] = info.scale, info.softcap or 0.0, tol
+            fl[4 * li: 4 * li + 4] = (info.scale, info.softcap or 0.0, *self.auditor.tolerance_for(query.dtype))
             if d[20] >= 0 and d[21] >= 0 and out.dtype == query.dtype:
                 keep |= qt[:, 1] == li
-                fa.tol[qt[qt[:, 1] == li, 0]] = tol
             descs.append(d)
         mine = qt[keep]
         if not len(mine):
@@ -341,10 +339,10 @@ class CbAudit:
         if sinks.any():
             for j in np.nonzero(sinks)[0]:
                 info = self._layers[self._qlayers[mine[j, 1]]]
-                fl[3 * len(self._qlayers) + j] = info.sinks_np[mine[j, 4]]  # type: ignore[index]
+                fl[4 * len(self._qlayers) + j] = info.sinks_np[mine[j, 4]]  # type: ignore[index]
             mine = mine.copy()
-            mine[sinks, 9] = 3 * len(self._qlayers) + np.nonzero(sinks)[0]
-        _loops().audit_queries(np.array(descs, dtype=np.int64), np.stack(steps), mine, fl, fa.err, fa.shift)
+            mine[sinks, 9] = 4 * len(self._qlayers) + np.nonzero(sinks)[0]
+        _loops().audit_queries(np.array(descs, dtype=np.int64), np.stack(steps), mine, fl, fa.err, fa.shift, fa.tol)
 
     def _count_writes(self, layers: int, tokens: int, row_bytes: int) -> None:
         c = self.auditor.counts

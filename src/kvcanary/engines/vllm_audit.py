@@ -258,16 +258,15 @@ class VllmAudit:
             qt = np.zeros((len(plan.qt), 11), dtype=np.int64)
             qt[:, [0, 2, 3, 4, 6, 7, 8]] = plan.qt[:, [0, 1, 2, 3, 5, 6, 7]]
             qt[:, 5] = qt[:, 4] // rep
-            qt[:, 9] = np.arange(len(qt)) + 3 if sinks is not None else -1
+            qt[:, 9] = np.arange(len(qt)) + 4 if sinks is not None else -1
             desc = np.array([self._descs(name, kv_cache).tolist() + rows_desc(query, 0, 1, 2) + rows_desc(out3, 0, 1, 2)
                              + [DTYPES[kv_cache.dtype], DTYPES[query.dtype], query.shape[2],
                                 kv_cache.shape[0] * g.plan.block_size - 1, 0, 0]], dtype=np.int64)
-            fl = np.zeros(3 + len(qt))
-            fl[:3] = float(impl.scale), softcap or 0.0, tol
+            fl = np.zeros(4 + len(qt))
+            fl[:4] = float(impl.scale), softcap or 0.0, *tol
             if sinks is not None:
-                fl[3:] = sinks.float().numpy()[qt[:, 4]]
-            _loops().audit_queries(desc, _loops().step_desc(g.step)[None], qt, fl, fa.err, fa.shift)
-            fa.tol[plan.qt[:, 0]] = tol
+                fl[4:] = sinks.float().numpy()[qt[:, 4]]
+            _loops().audit_queries(desc, _loops().step_desc(g.step)[None], qt, fl, fa.err, fa.shift, fa.tol)
             return
         shape = plan.grid.shape
         slots = g.step.lookup(plan.row[:, None].expand(shape).reshape(-1), plan.grid.reshape(-1)).view(shape)

@@ -149,8 +149,8 @@ def write_compare(addrs, strides, caches, groups, slots, toks, esz, nh, nd, half
 def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale, softcap, sink, has_sink,
            logits, slots, out, row):  # type: ignore[no-untyped-def]
     """One query's error against attention over positions ``[lo, p]`` of row ``r`` (the cached ones
-    read ``shift`` blocks on); -1 where a position has no slot in the pool (shift 0 only). ``row``:
-    scratch of the head size."""
+    read ``shift`` blocks on), -1 where a position has no slot in the pool, and its
+    probability-weighted mean |logit|. ``row``: scratch of the head size."""
     bs = ck[1]
     n = p - lo + 1
     nd = qv.shape[0]
@@ -158,7 +158,7 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     for j in range(n):
         s = lookup(step, r, lo + j)
         if s < 0 or s > limit:  # no slot (or none in the pool: the canary's verify reports that)
-            return -1.0
+            return -1.0, 0.0
         if shift != 0 and lo + j < cached:
             s = min(max(s + shift * bs, 0), limit)
         slots[j] = s
@@ -174,9 +174,12 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     if has_sink:
         mx = max(mx, sink)
     den = math.exp(sink - mx) if has_sink else 0.0
+    weighted = 0.0
     for j in range(n):
-        logits[j] = math.exp(logits[j] - mx)
+        x = logits[j]
+        logits[j] = math.exp(x - mx)
         den += logits[j]
+        weighted += logits[j] * abs(x)
     for d in range(nd):
         out[d] = 0.0
     vmax = 0.0
@@ -191,13 +194,13 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     for d in range(nd):
         e = abs(ov[d] - out[d])
         if not e <= 1e300:  # NaN or infinite
-            return 1e6
+            return 1e6, weighted / den
         err = max(err, e)
-    return err / max(vmax, 1e-30)
+    return err / max(vmax, 1e-30), weighted / den
 
 
 @njit(**JIT)
-def audit_queries(descs, steps, qt, fl, err, shift):  # type: ignore[no-untyped-def]
+def audit_queries(descs, steps, qt, fl, err, shift, tols):  # type: ignore[no-untyped-def]
     """Audited queries of one or several layers in one call. ``qt[s]``: query ``s``'s index in the
     forward's list, its layer's index ``l`` in ``descs``, step row, batch token, head, KV head,
     position, window start, the row's tokens cached before this forward, its sink logit's index in
@@ -205,10 +208,11 @@ def audit_queries(descs, steps, qt, fl, err, shift):  # type: ignore[no-untyped-
     and V (cache descriptors, 6 each), its queries and the engine's outputs (row descriptors, 4
     each), the cache's and the queries' float codes, the head size, the largest slot, the index of
     its step's descriptor in ``steps`` (its table), and whether the queries and outputs are the
-    layer's sampled rows only (row ``i``: the layer's ``i``-th query) rather than the whole batch. ``fl[3 * l : 3 * l + 3]``: layer ``l``'s scale, soft-cap (0: none) and tolerance.
-    Fills ``err`` with each query's error (:func:`kvcanary.audit.error`; -1: a position without a
-    slot) and ``shift`` with +1 or -1 where reading every cached block one page on or back gives
-    the engine's output (tried above the tolerance only)."""
+    layer's sampled rows only (row ``i``: the layer's ``i``-th query) rather than the whole batch. ``fl[4 * l : 4 * l + 4]``: layer ``l``'s scale, soft-cap (0: none) and tolerance base and slope
+    (:data:`kvcanary.audit.TOLERANCE`). Fills ``err`` with each query's error
+    (:func:`kvcanary.audit.error`; -1: a position without a slot), ``tols`` with its tolerance, and
+    ``shift`` with +1 or -1 where reading every cached block one page on or back gives the engine's
+    output (tried above the tolerance only)."""
     width = 1
     nd_max = 1
     for s in range(qt.shape[0]):
@@ -227,20 +231,22 @@ def audit_queries(descs, steps, qt, fl, err, shift):  # type: ignore[no-untyped-
         ck, cv, q, o = desc[0:6], desc[6:12], desc[12:16], desc[16:20]
         dt, dq, nd, limit, step = desc[20], desc[21], desc[22], desc[23], steps[desc[24]]
         tq, hq = (qt[s, 10], 0) if desc[25] else (qt[s, 3], hd)
-        scale, softcap, tol = fl[3 * lay], fl[3 * lay + 1], fl[3 * lay + 2]
+        scale, softcap, base, slope = fl[4 * lay], fl[4 * lay + 1], fl[4 * lay + 2], fl[4 * lay + 3]
         qs, os_, row = qv[:nd], ov[:nd], scratch[:nd]
         load_row(q[0] + tq * q[1] + hq * q[2], q[3], dq, qs)
         load_row(o[0] + tq * o[1] + hq * o[2], o[3], dq, os_)
         has_sink = si >= 0
         sink = fl[si] if has_sink else 0.0
-        e = _error(ck, cv, dt, qs, os_, step, r, lo, p, kvh, cached, 0, limit, scale, softcap, sink, has_sink,
-                   logits, slots, out, row)
+        e, mean = _error(ck, cv, dt, qs, os_, step, r, lo, p, kvh, cached, 0, limit, scale, softcap, sink, has_sink,
+                         logits, slots, out, row)
+        tol = base + slope * mean
         err[k] = e
+        tols[k] = tol
         shift[k] = 0
         if e > tol:
             for sh in (1, -1):
                 if _error(ck, cv, dt, qs, os_, step, r, lo, p, kvh, cached, sh, limit, scale, softcap, sink, has_sink,
-                          logits, slots, out, row) <= tol:
+                          logits, slots, out, row)[0] <= tol:
                     shift[k] = sh
                     break
 
