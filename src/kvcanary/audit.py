@@ -173,6 +173,7 @@ class Auditor:
         self.counts = {"audit_queries": 0, "write_slots_checked": 0, "write_bytes_checked": 0}
         self.errors: list[float] | None = None  # every audited query's error, where recorded (calibration)
         self.ratios: list[float] = []  # and its error over its tolerance
+        self.failures = 0  # forwards whose audit failed (an internal error, counted)
 
     def pick(self, layers: Sequence[int], lengths: Sequence[int], heads: int) -> list[tuple[int, int, int, int]]:
         """This forward's sampled queries as ``(layer, row, token offset in the row, head)``: the
@@ -240,6 +241,18 @@ class Auditor:
 
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
+
+    def failed(self, adapter: Any, e: Exception) -> None:
+        """The audit's own failure inside a forward of ``adapter``'s engine (the forward's audit is
+        dropped by the caller; no stamp depends on it): counted and logged outside ``raise`` mode,
+        raised in it (and kept for the caller's thread)."""
+        if adapter.config.mode == "raise":
+            adapter.pending = e
+            raise e
+        self.failures += 1
+        adapter.internal_errors += 1
+        log.error("kvcanary internal error in the attention audit (counted, not raised)",
+                  exc_info=e if self.failures <= 3 else None)
 
 
 class LayerPlan:

@@ -60,7 +60,6 @@ class CbAudit:
         self.write_tokens: tuple[np.ndarray, Any] | None = None
         self.taps: dict[str, Tap] = {}
         self.skipped = 0  # forwards of the decode fast path, not audited
-        self.failed = 0  # forwards whose audit failed (an internal error, counted)
         self._wturn = 0
         self._said: set[str] = set()
         self._layers: dict[int, _LayerInfo] = {}
@@ -71,9 +70,9 @@ class CbAudit:
         self._heads = 1
         self._dev = torch.device("cpu")
         self._budget: int | None = None
-        self._qt: np.ndarray | None = None  # this forward's audited queries (fused: the compiled loops' table)
-        self._qlayers: list[int] = []  # the layers with audited queries, in the table's order
-        self._wplans: dict[tuple[int, ...], Any] = {}  # layers -> the compiled write check's constant arrays
+        self._qt: np.ndarray | None = None  # this forward's audited queries (fused: the compiled loop's table)
+        self._fl: np.ndarray | None = None  # and its floats (each layer's scale, soft-cap, tolerance; sinks)
+        self._compiled: _Compiled | None = None  # the compiled loop's per-layer constants
 
     # ---- per forward ----------------------------------------------------------------------------
 
@@ -81,9 +80,10 @@ class CbAudit:
         self.layer_group = {layer: g for g in groups.values() for layer in g.allocator.layer_indices}
         self._layers = {layer: _LayerInfo(self, layer, self.modules[layer], g)
                         for layer, g in self.layer_group.items() if layer in self.modules}
-        self._wplans.clear()
+        self._compiled = _Compiled(self, groups) if self._layers and all(
+            g.canary.backend == "fused" for g in groups.values()) else None
         self._windows = {layer: self.window(layer) for layer in self.layer_group}
-        self._fused = bool(groups) and all(g.canary.backend == "fused" for g in groups.values())
+        self._fused = self._compiled is not None
         self._order = sorted(self._layers)
         self._heads = int(self.prot.model.config.num_attention_heads)
         if groups:
@@ -95,7 +95,7 @@ class CbAudit:
 
     def begin(self, steps: dict[str, Any], reqs: list, batch: dict) -> None:
         """Plan this forward's write checks and audited queries (host work from the requests' lengths)."""
-        self.fa, self.plans, self.write_tokens, self._qt = None, {}, None, None
+        self.fa, self.plans, self.write_tokens, self._qt, self._fl = None, {}, None, None, None
         self.stash.clear()
         self.qstash.clear()
         if not self.on or not steps or not self._order:
@@ -136,20 +136,25 @@ class CbAudit:
             self.write_tokens = (toks, toks if self._fused else to_device(self._dev, [toks])[0])
 
     def _plan_fused(self, queries: list[Query]) -> None:
-        """The compiled audit's query table (:func:`kvcanary.fused.audit.audit_queries`, ``qt``)."""
-        self._qlayers = sorted({q.layer for q in queries})
-        index = {layer: i for i, layer in enumerate(self._qlayers)}
+        """The compiled loop's query table and floats (:func:`kvcanary.fused.audit.check_forward`)."""
+        c = self._compiled
+        assert c is not None
         local: dict[int, int] = {}
         rows = []
+        fl = np.empty(len(c.fl) + len(queries))
+        fl[: len(c.fl)] = c.fl
         for i, q in enumerate(queries):
-            info, w = self._layers[q.layer], self._windows.get(q.layer)
-            li = index[q.layer]
+            info, w, li = self._layers[q.layer], self._windows.get(q.layer), c.index[q.layer]
             local[li] = local.get(li, -1) + 1
+            si = -1
+            if info.sinks_np is not None:
+                si = len(c.fl) + i
+                fl[si] = info.sinks_np[q.head]
             rows.append([i, li, q.row, q.token, q.head, q.head // info.rep, q.position,
-                         max(q.position - w + 1, 0) if w else 0, q.cached, i if info.sinks is not None else -1,
-                         local[li]])
+                         max(q.position - w + 1, 0) if w else 0, q.cached, si, local[li]])
         self._qt = np.array(rows, dtype=np.int64).reshape(-1, 11)
-        self.plans = {layer: None for layer in self._qlayers}  # type: ignore[misc]
+        self._fl = fl
+        self.plans = {q.layer: None for q in queries}  # type: ignore[misc]
 
     def window(self, layer: int) -> int | None:
         """The sliding window layer ``layer`` declares: on its module (Gemma, GPT-OSS), else its layer
@@ -164,10 +169,8 @@ class CbAudit:
             return
         t0 = time.perf_counter()
         try:
-            if self.stash and self.write_tokens is not None:
-                self._write_layers(sorted(self.stash))
-            if self.qstash:
-                self._audit_fused()
+            if (self.stash and self.write_tokens is not None) or self.qstash:
+                self._run_compiled(writes=self.write_tokens is not None, audit=True)
         except Exception as e:
             self._failed(e)
         finally:
@@ -224,30 +227,22 @@ class CbAudit:
         return out
 
     def _failed(self, e: Exception) -> None:
-        """The audit's own failure: this forward's audit is dropped (no stamp depends on it); counted
-        and logged outside ``raise`` mode, raised (in the caller's thread too) in it."""
-        self.fa = None
+        self.fa = None  # this forward's audit is dropped
         self.stash.clear()
         self.qstash.clear()
-        if self.prot.config.mode == "raise":
-            self.prot.pending = e
-            raise e
-        self.failed += 1
-        self.prot.internal_errors += 1
-        log.error("kvcanary internal error in the attention audit (counted, not raised)",
-                  exc_info=e if self.failed <= 3 else None)
+        self.auditor.failed(self.prot, e)
 
     def _layer_fused(self, layer: int, query: torch.Tensor, out: torch.Tensor) -> None:
-        """A large forward on the compiled loops: this layer's writes now; its sampled queries' rows
+        """A large forward on the compiled loop: this layer's writes now; its sampled queries' rows
         kept (copies of a few rows) for the audit after the forward."""
         if self.write_tokens is not None and layer in self.stash:
-            self._write_layers([layer])
-            self.stash.pop(layer, None)
-        if layer in self.plans and self._qt is not None:
-            li = self._qlayers.index(layer)
-            mine = self._qt[self._qt[:, 1] == li]
+            self._run_compiled(writes=True, audit=False)
+            self.stash.clear()
+        if layer in self.plans and self._qt is not None and self._compiled is not None:
+            mine = self._qt[self._qt[:, 1] == self._compiled.index[layer]]
             tok, head = torch.from_numpy(mine[:, 3]), torch.from_numpy(mine[:, 4])
-            self.qstash[layer] = (query[0, head, tok][:, None].clone(), out[0, tok, head][:, None].clone(), True)
+            self.qstash[layer] = (query[0, head, tok][:, None].contiguous(), out[0, tok, head][:, None].contiguous(),
+                                  True)
 
     def _layer(self, layer: int, query: torch.Tensor, out: torch.Tensor) -> None:
         """The torch reference: this layer's writes and sampled queries, now."""
@@ -264,85 +259,56 @@ class CbAudit:
         s = slots.clamp(min=0)
         return torch.div(s, g.tpp, rounding_mode="floor") * g.stride + s % g.tpp
 
-    def _write_layers(self, layers: list[int]) -> None:
-        """The write check of ``layers`` in one compiled call (their computed K and V in ``stash``)."""
-        assert self.write_tokens is not None and self.fa is not None
-        host = self.write_tokens[0]
-        mine, addrs = [], []
-        k0 = v0 = None
-        for layer in layers:
-            info = self._layers.get(layer)
-            if info is None:
-                continue
-            k, v = self.stash[layer]
-            if k0 is None:
-                k0, v0 = k, v
-            # a cast on the way into the cache, or tensors of another shape: the torch comparison
-            if k.dtype != info.k_view.dtype or v.dtype != info.v_view.dtype or k.stride() != k0.stride() \
-                    or v.stride() != v0.stride() or k.shape != k0.shape:  # type: ignore[union-attr]
-                self._write(layer, info)
-                continue
-            mine.append(layer)
-            addrs.append((k.data_ptr(), v.data_ptr()))
-        if not mine or k0 is None or v0 is None:
-            return
-        key = tuple(mine)
-        got = self._wplans.get(key)
-        if got is None:
-            infos = [self._layers[layer] for layer in mine]
-            names = sorted({i.group.name for i in infos})
-            got = self._wplans[key] = (np.array([i.ck + i.cv for i in infos], dtype=np.int64),
-                                       np.array([names.index(i.group.name) for i in infos], dtype=np.int64), names,
-                                       [i.group.name for i in infos], infos[0].row_bytes)
-        caches, groups, names, layer_groups, row_bytes = got
-        slots = np.stack([self.steps[n].new_slots.numpy()[host] for n in names])
-        es = k0.element_size()
-        ks, vs = k0.stride(), v0.stride()
-        strides = np.array([ks[2] * es, ks[1] * es, ks[3] * es, vs[2] * es, vs[1] * es, vs[3] * es], dtype=np.int64)
-        half = np.empty((len(mine), len(host)), dtype=np.int64)
-        head = np.empty_like(half)
-        _loops().write_compare(np.array(addrs, dtype=np.int64), strides, caches, groups, slots, host, es, k0.shape[1],
-                               k0.shape[3], half, head)
-        self.fa.writes.append(Writes(mine, layer_groups, host, half, head))
-        self._count_writes(len(mine), len(host), row_bytes)
-
-    def _audit_fused(self) -> None:
-        """Every kept layer's audited queries in one compiled call."""
-        fa, qt = self.fa, self._qt
-        assert fa is not None and qt is not None
-        steps, step_index, descs = [], {}, []
-        fl = np.zeros(4 * len(self._qlayers) + len(qt))
-        keep = np.zeros(len(qt), dtype=bool)
-        for li, layer in enumerate(self._qlayers):
-            got = self.qstash.get(layer)
-            info = self._layers[layer]
-            if got is None or info.group.name not in self.steps:
-                descs.append(info.desc)  # no query or output this forward: its queries are left out
-                continue
-            query, out, gathered = got
-            name = info.group.name
-            if name not in step_index:
-                step_index[name] = len(steps)
-                steps.append(_loops().step_desc(self.steps[name]))
-            d = info.desc.copy()
-            d[12:20] = rows_desc(query, 2, 1, 3) + rows_desc(out, 1, 2, 3) if not gathered else \
-                rows_desc(query, 0, 1, 2) + rows_desc(out, 0, 1, 2)
-            d[21], d[22], d[24], d[25] = DTYPES.get(query.dtype, -1), query.shape[-1], step_index[name], int(gathered)
-            fl[4 * li: 4 * li + 4] = (info.scale, info.softcap or 0.0, *self.auditor.tolerance_for(query.dtype))
-            if d[20] >= 0 and d[21] >= 0 and out.dtype == query.dtype:
-                keep |= qt[:, 1] == li
-            descs.append(d)
-        mine = qt[keep]
-        if not len(mine):
-            return
-        sinks = mine[:, 9] >= 0
-        if sinks.any():
-            for j in np.nonzero(sinks)[0]:
-                info = self._layers[self._qlayers[mine[j, 1]]]
-                fl[4 * len(self._qlayers) + j] = info.sinks_np[mine[j, 4]]  # type: ignore[index]
-            mine = mine.copy()
-            mine[sinks, 9] = 4 * len(self._qlayers) + np.nonzero(sinks)[0]
-        _loops().audit_queries(np.array(descs, dtype=np.int64), np.stack(steps), mine, fl, fa.err, fa.shift, fa.tol)
+    def _run_compiled(self, writes: bool, audit: bool) -> None:
+        """The kept layers' write checks (``writes``: those in ``stash``) and audited queries
+        (``audit``: those in ``qstash``) in one compiled call."""
+        c, fa = self._compiled, self.fa
+        assert c is not None and fa is not None
+        ptrs = np.zeros((len(c.index), 4), dtype=np.int64)
+        strides = [0] * 12
+        k0 = v0 = q0 = o0 = None
+        gathered = False
+        if writes:
+            for layer, (k, v) in self.stash.items():
+                info = self._layers.get(layer)
+                if info is None:
+                    continue
+                if k0 is None:
+                    k0, v0 = k, v
+                # a cast on the way into the cache, or tensors shaped otherwise: the torch comparison
+                if k.dtype != info.k_view.dtype or v.dtype != info.v_view.dtype or k.stride() != k0.stride() \
+                        or v.stride() != v0.stride():  # type: ignore[union-attr]
+                    self._write(layer, info)
+                    continue
+                ptrs[c.index[layer], 0], ptrs[c.index[layer], 1] = k.data_ptr(), v.data_ptr()
+            if k0 is not None and v0 is not None:
+                strides[0:6] = _strides(k0, 2, 1, 3) + _strides(v0, 2, 1, 3)
+        if audit:
+            for layer, (q, o, gathered) in self.qstash.items():
+                if q0 is None:
+                    q0, o0 = q, o
+                if q.stride() != q0.stride() or o.stride() != o0.stride() or q.dtype != c.dtype or o.dtype != c.dtype:
+                    continue  # another shape or dtype than the forward's first: left out (its queries stay -1)
+                ptrs[c.index[layer], 2], ptrs[c.index[layer], 3] = q.data_ptr(), o.data_ptr()
+            if q0 is not None and o0 is not None:
+                strides[6:12] = (_strides(q0, 0, 1, 2) + _strides(o0, 0, 1, 2) if gathered else
+                                 _strides(q0, 2, 1, 3) + _strides(o0, 1, 2, 3))
+        for name, gi in c.groups.items():
+            step = self.steps.get(name)
+            if step is not None:
+                c.steps[gi] = _loops().step_desc(step)
+        toks = self.write_tokens[0] if self.write_tokens is not None else np.zeros(0, dtype=np.int64)
+        half = np.zeros((len(c.index), len(toks)), dtype=np.int64)
+        head = np.zeros_like(half)
+        qt = self._qt if audit and self._qt is not None else _NO_QUERIES
+        fl = self._fl if self._fl is not None else c.fl
+        _loops().check_forward(c.layers, ptrs, np.array(strides, dtype=np.int64), c.steps, toks, qt, fl, half, head,
+                               fa.err, fa.shift, fa.tol, gathered)
+        if k0 is not None:
+            kept = np.nonzero(ptrs[:, 0])[0]
+            fa.writes.append(Writes([c.order[i] for i in kept], [c.group_of[i] for i in kept], toks, half[kept],
+                                    head[kept]))
+            self._count_writes(len(kept), len(toks), c.row_bytes)
 
     def _count_writes(self, layers: int, tokens: int, row_bytes: int) -> None:
         c = self.auditor.counts
@@ -419,10 +385,6 @@ class _LayerInfo:
         self.softcap: float | None = None if softcap is None else float(softcap)
         self.sinks: torch.Tensor | None = None if sinks is None else sinks.detach()
         self.sinks_np = None if self.sinks is None else self.sinks.float().cpu().numpy().astype(np.float64)
-        # the compiled audit's descriptor (kvcanary.fused.audit.audit_queries): the cache's part here,
-        # the queries' and outputs' for each forward
-        self.desc = np.array(self.ck + self.cv + [0] * 8 + [DTYPES.get(self.k_view.dtype, -1), 0, 0,
-                                                            g.canary.num_slots - 1, 0, 0], dtype=np.int64)
 
     @staticmethod
     def _desc(t: torch.Tensor, g: Any) -> list[int]:
@@ -437,3 +399,39 @@ def _loops() -> Any:
     from kvcanary.fused import audit
 
     return audit
+
+
+_NO_QUERIES = np.zeros((0, 11), dtype=np.int64)
+
+
+def _strides(t: torch.Tensor, tok: int, head: int, dim: int) -> list[int]:
+    es = t.element_size()
+    st = t.stride()
+    return [st[tok] * es, st[head] * es, st[dim] * es]
+
+
+class _Compiled:
+    """The compiled loop's constants for one protection's layers (:func:`kvcanary.fused.audit.check_forward`):
+    per layer its cache descriptors, group, dtypes, sizes and largest slot, and its scale, soft-cap
+    and tolerance; a row of step descriptors per group, filled each forward."""
+
+    def __init__(self, audit: CbAudit, groups: dict[str, Any]) -> None:
+        from kvcanary.fused._step import DESC_LEN
+
+        self.order = sorted(audit._layers)
+        self.index = {layer: i for i, layer in enumerate(self.order)}
+        self.groups = {name: i for i, name in enumerate(sorted(groups))}
+        infos = [audit._layers[layer] for layer in self.order]
+        self.group_of = [i.group.name for i in infos]
+        self.dtype = infos[0].k_view.dtype  # the model's: what its queries and outputs come in
+        self.row_bytes = infos[0].row_bytes
+        rows, fl = [], []
+        for i in infos:
+            kv = i.k_view
+            code = DTYPES.get(kv.dtype, -1)
+            rows.append(i.ck + i.cv + [self.groups[i.group.name], code, kv.element_size(), kv.shape[1], kv.shape[2],
+                                       i.group.canary.num_slots - 1, DTYPES.get(self.dtype, -1)])
+            fl += [i.scale, i.softcap or 0.0, *audit.auditor.tolerance_for(self.dtype)]
+        self.layers = np.array(rows, dtype=np.int64)
+        self.fl = np.array(fl, dtype=np.float64)
+        self.steps = np.zeros((len(self.groups), DESC_LEN), dtype=np.int64)

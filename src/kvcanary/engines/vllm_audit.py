@@ -119,10 +119,10 @@ class VllmAudit:
         self.isa: dict[str, str] = {}
         self.plans: dict[int, LayerPlan] = {}  # by the layer's index
         self.write_tokens: tuple[np.ndarray, torch.Tensor] | None = None
-        self.failed = 0
         self._views: dict[tuple[int, str], tuple[Callable[..., Any], ...]] = {}
         self.index: dict[str, int] = {}  # layer name -> its number in the records' "layer" field
         self._cdesc: dict[str, tuple[int, np.ndarray]] = {}
+        self._rows: dict[str, tuple[int, np.ndarray]] = {}
         self._wturn = 0
 
     def register(self, groups: list[Any], isa_of: Callable[[torch.Tensor], str], kv_caches: dict[str, torch.Tensor]) -> None:
@@ -193,16 +193,8 @@ class VllmAudit:
         return out
 
     def _failed(self, e: Exception) -> None:
-        """The audit's own failure: this forward's audit is dropped; counted and logged outside
-        ``raise`` mode, raised into the forward in it."""
-        self.fa = None
-        if self.conn.config.mode == "raise":
-            self.conn.pending = e
-            raise e
-        self.failed += 1
-        self.conn.internal_errors += 1
-        log.error("kvcanary internal error in the attention audit (counted, not raised)",
-                  exc_info=e if self.failed <= 3 else None)
+        self.fa = None  # this forward's audit is dropped
+        self.auditor.failed(self.conn, e)
 
     def _check(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
@@ -220,53 +212,32 @@ class VllmAudit:
         if views is None:
             views = self._views[key_views] = kv_views(kv_cache, self.isa[name])
         k_at, v_at = views
-        fused = g.canary.backend == "fused" and self.isa[name] in ("vec", "vec16") and kv_cache.dtype in DTYPES
-        if self.write_tokens is not None and getattr(impl, "kv_sharing_target_layer_name", None) is None:
-            host, toks = self.write_tokens
-            n = len(host)
-            if fused and key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype:
-                half, head = np.empty((1, n), dtype=np.int64), np.empty((1, n), dtype=np.int64)
-                es = key.element_size()
-                ks, vs = key.stride(), value.stride()
-                _loops().write_compare(np.array([[key.data_ptr(), value.data_ptr()]], dtype=np.int64),
-                                       np.array([ks[0] * es, ks[1] * es, ks[2] * es, vs[0] * es, vs[1] * es, vs[2] * es],
-                                                dtype=np.int64),
-                                       self._descs(name, kv_cache)[None], np.zeros(1, dtype=np.int64),
-                                       g.step.new_slots.numpy()[host][None], host, es, key.shape[1], key.shape[2], half,
-                                       head)
-            else:
-                slots = g.step.new_slots[toks]
-                s = slots.clamp(min=0)
-                half_t, head_t = write_mismatch(key[toks], value[toks], k_at(s), v_at(s))
-                half, head = torch.where(slots >= 0, half_t, 0)[None], head_t[None]
-            fa.writes.append(Writes([self.index[name]], [g.name], host, half, head))
-            c = self.auditor.counts
-            c["write_slots_checked"] += n
-            c["write_bytes_checked"] += n * 2 * key[0].numel() * kv_cache.element_size()
+        write = self.write_tokens is not None and getattr(impl, "kv_sharing_target_layer_name", None) is None
         plan = self.plans.get(self.index[name])
-        if plan is None or getattr(impl, "alibi_slopes", None) is not None:
-            return
         window = impl.sliding_window if impl.sliding_window and impl.sliding_window > 0 else None
-        if window != g.plan.window:  # a layer whose window is not its group's: not audited
-            return
+        # a layer whose window is not its group's is not audited, nor ALiBi
+        if plan is not None and (getattr(impl, "alibi_slopes", None) is not None or window != g.plan.window):
+            plan = None
         rep = impl.num_heads // impl.num_kv_heads
         out3 = output.view(output.shape[0], impl.num_heads, -1)
         softcap = impl.logits_soft_cap if impl.logits_soft_cap else None
         sinks = impl.sinks.detach() if getattr(impl, "sinks", None) is not None else None
         tol = self.auditor.tolerance_for(query.dtype)
-        if fused and query.dtype in DTYPES and out3.dtype == query.dtype:
-            qt = np.zeros((len(plan.qt), 11), dtype=np.int64)
-            qt[:, [0, 2, 3, 4, 6, 7, 8]] = plan.qt[:, [0, 1, 2, 3, 5, 6, 7]]
-            qt[:, 5] = qt[:, 4] // rep
-            qt[:, 9] = np.arange(len(qt)) + 4 if sinks is not None else -1
-            desc = np.array([self._descs(name, kv_cache).tolist() + rows_desc(query, 0, 1, 2) + rows_desc(out3, 0, 1, 2)
-                             + [DTYPES[kv_cache.dtype], DTYPES[query.dtype], query.shape[2],
-                                kv_cache.shape[0] * g.plan.block_size - 1, 0, 0]], dtype=np.int64)
-            fl = np.zeros(4 + len(qt))
-            fl[:4] = float(impl.scale), softcap or 0.0, *tol
-            if sinks is not None:
-                fl[4:] = sinks.float().numpy()[qt[:, 4]]
-            _loops().audit_queries(desc, _loops().step_desc(g.step)[None], qt, fl, fa.err, fa.shift, fa.tol)
+        dt = kv_cache.dtype
+        if (g.canary.backend == "fused" and self.isa[name] in ("vec", "vec16") and dt in DTYPES
+                and key.dtype == value.dtype == query.dtype == out3.dtype == dt):
+            self._compiled(name, g, kv_cache, key, value, query, out3, write, plan, rep, softcap, sinks, tol,
+                           float(impl.scale))
+            return
+        if write:
+            host, toks = self.write_tokens  # type: ignore[misc]
+            slots = g.step.new_slots[toks]
+            s = slots.clamp(min=0)
+            half_t, head_t = write_mismatch(key[toks], value[toks], k_at(s), v_at(s))
+            fa.writes.append(Writes([self.index[name]], [g.name], host, torch.where(slots >= 0, half_t, 0)[None],
+                                    head_t[None]))
+            self._count_writes(len(host), key, kv_cache)
+        if plan is None:
             return
         shape = plan.grid.shape
         slots = g.step.lookup(plan.row[:, None].expand(shape).reshape(-1), plan.grid.reshape(-1)).view(shape)
@@ -282,6 +253,52 @@ class VllmAudit:
         view = dataclasses.replace(fa, err=err, shift=sh, tol=tl)  # the torch reference writes through these
         check_layer(view, plan, slots, query[plan.token, plan.head], out3[plan.token, plan.head], read,
                     float(impl.scale), softcap, sinks[plan.head] if sinks is not None else None, tol)
+
+    def _count_writes(self, n: int, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        c = self.auditor.counts
+        c["write_slots_checked"] += n
+        c["write_bytes_checked"] += n * 2 * key[0].numel() * kv_cache.element_size()
+
+    def _compiled(self, name: str, g: Any, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  query: torch.Tensor, out3: torch.Tensor, write: bool, plan: LayerPlan | None, rep: int,
+                  softcap: float | None, sinks: torch.Tensor | None, tol: tuple[float, float], scale: float) -> None:
+        """One layer's write check and audited queries in one compiled call
+        (:func:`kvcanary.fused.audit.check_forward`, one layer)."""
+        fa = self.fa
+        assert fa is not None
+        host = self.write_tokens[0] if write and self.write_tokens is not None else _NO_TOKENS
+        qt = _NO_QUERIES
+        fl = np.zeros(4 + (len(plan.qt) if plan is not None else 0))
+        fl[:4] = scale, softcap or 0.0, *tol
+        if plan is not None:
+            qt = np.zeros((len(plan.qt), 11), dtype=np.int64)
+            qt[:, [0, 2, 3, 4, 6, 7, 8]] = plan.qt[:, [0, 1, 2, 3, 5, 6, 7]]
+            qt[:, 5] = qt[:, 4] // rep
+            qt[:, 9] = np.arange(len(qt)) + 4 if sinks is not None else -1
+            if sinks is not None:
+                fl[4:] = sinks.float().numpy()[qt[:, 4]]
+        ptrs = np.array([[key.data_ptr() if write else 0, value.data_ptr() if write else 0,
+                          query.data_ptr() if plan is not None else 0, out3.data_ptr() if plan is not None else 0]],
+                        dtype=np.int64)
+        strides = np.array(_strides(key) + _strides(value) + _strides(query) + _strides(out3), dtype=np.int64)
+        half = np.zeros((1, len(host)), dtype=np.int64)
+        head = np.zeros_like(half)
+        _loops().check_forward(self._layer_row(name, g, kv_cache), ptrs, strides, _loops().step_desc(g.step)[None],
+                               host, qt, fl, half, head, fa.err, fa.shift, fa.tol, False)
+        if write:
+            fa.writes.append(Writes([self.index[name]], [g.name], host, half, head))
+            self._count_writes(len(host), key, kv_cache)
+
+    def _layer_row(self, name: str, g: Any, kv: torch.Tensor) -> np.ndarray:
+        """The compiled loop's constants of a layer (``layers`` of :func:`kvcanary.fused.audit.check_forward`)."""
+        got = self._rows.get(name)
+        if got is None or got[0] != kv.data_ptr():
+            _, hkv, bs, two_d = kv.shape
+            code = DTYPES[kv.dtype]
+            row = self._descs(name, kv).tolist() + [0, code, kv.element_size(), hkv, two_d // 2,
+                                                    kv.shape[0] * bs - 1, code]
+            got = self._rows[name] = (kv.data_ptr(), np.array([row], dtype=np.int64))
+        return got[1]
 
     def _descs(self, name: str, kv: torch.Tensor) -> np.ndarray:
         """The compiled loops' descriptors of a layer's cache K and V (``vec``/``vec16``), by slot."""
@@ -301,6 +318,16 @@ class VllmAudit:
     def close(self) -> None:
         for name in [n for n, a in REGISTRY.items() if a is self]:
             del REGISTRY[name]
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+_NO_QUERIES = np.zeros((0, 11), dtype=np.int64)
+
+
+def _strides(t: torch.Tensor) -> list[int]:
+    """A ``[tokens, heads, dim]`` tensor's strides in bytes."""
+    es = t.element_size()
+    return [x * es for x in t.stride()]
 
 
 def _loops() -> Any:

@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 
 from kvcanary import audit
 from kvcanary.fused._core import JIT, ld_i64, ld_u8, ld_u16, ld_u32
-from kvcanary.fused._step import lookup
+from kvcanary.fused._step import NS, lookup, rd
 from kvcanary.fused.cache import njit
 
 DTYPES = audit.DTYPES
@@ -111,40 +111,6 @@ def _differs(a, sa, b, sb, esz, nd):  # type: ignore[no-untyped-def]
     return False
 
 
-@njit(**JIT)
-def write_compare(addrs, strides, caches, groups, slots, toks, esz, nh, nd, half, head):  # type: ignore[no-untyped-def]
-    """For each layer ``l`` and checked token ``toks[i]`` (written to slot ``slots[groups[l], i]``;
-    -1: nowhere): whether its computed K (bit 1) and V (bit 2) rows differ from the cache's rows at
-    that slot, in ``half[l, i]``, and the first KV head that differs, in ``head[l, i]``.
-    ``addrs[l]``: the layer's computed K and V; ``strides``: their token, head and channel strides
-    (K's, then V's); ``caches[l]``: the layer's cache K and V (cache descriptors, 6 each)."""
-    for lay in range(addrs.shape[0]):
-        c = caches[lay]
-        bs = c[1]
-        for i in range(toks.shape[0]):
-            t = toks[i]
-            s = slots[groups[lay], i]
-            half[lay, i] = 0
-            head[lay, i] = 0
-            if s < 0:
-                continue
-            kb = c[0] + (s // bs) * c[2] + (s % bs) * c[3]
-            vb = c[6] + (s // c[7]) * c[8] + (s % c[7]) * c[9]
-            ka = addrs[lay, 0] + t * strides[0]
-            va = addrs[lay, 1] + t * strides[3]
-            hf = 0
-            first = -1
-            for h in range(nh):
-                if _differs(ka + h * strides[1], strides[2], kb + h * c[4], c[5], esz, nd):
-                    hf |= 1
-                    first = h if first < 0 else first
-                if _differs(va + h * strides[4], strides[5], vb + h * c[10], c[11], esz, nd):
-                    hf |= 2
-                    first = h if first < 0 else first
-            half[lay, i] = hf
-            head[lay, i] = first if first >= 0 else 0
-
-
 @njit(inline="always", **JIT)
 def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale, softcap, sink, has_sink,
            logits, slots, out, row):  # type: ignore[no-untyped-def]
@@ -199,25 +165,70 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     return err / max(vmax, 1e-30), weighted / den
 
 
+def step_desc(step: torch.Tensor) -> np.ndarray:
+    """A step's descriptor (:func:`kvcanary.fused._step.describe`), for :func:`audit_queries`'s ``steps``."""
+    from kvcanary.fused._step import describe
+
+    return describe(step)  # type: ignore[arg-type]
+
+
 @njit(**JIT)
-def audit_queries(descs, steps, qt, fl, err, shift, tols):  # type: ignore[no-untyped-def]
-    """Audited queries of one or several layers in one call. ``qt[s]``: query ``s``'s index in the
-    forward's list, its layer's index ``l`` in ``descs``, step row, batch token, head, KV head,
-    position, window start, the row's tokens cached before this forward, its sink logit's index in
-    ``fl`` (-1: none) and its index among its layer's queries. ``descs[l]``: layer ``l``'s cache K
-    and V (cache descriptors, 6 each), its queries and the engine's outputs (row descriptors, 4
-    each), the cache's and the queries' float codes, the head size, the largest slot, the index of
-    its step's descriptor in ``steps`` (its table), and whether the queries and outputs are the
-    layer's sampled rows only (row ``i``: the layer's ``i``-th query) rather than the whole batch. ``fl[4 * l : 4 * l + 4]``: layer ``l``'s scale, soft-cap (0: none) and tolerance base and slope
+def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, shift, tols,
+                  gathered):  # type: ignore[no-untyped-def]
+    """Every layer's write check and audited queries of one forward in one call.
+
+    ``layers[l]``: layer ``l``'s cache K and V (cache descriptors, 6 each), then the index of its
+    step in ``steps`` (its table and new slots), the cache's float code, the element size, the KV
+    heads, the head size, the largest slot, the queries' float code. ``ptrs[l]``: the addresses of
+    its computed K and V (0: no write check) and of its queries and outputs (0: no audit) this
+    forward; ``strides``: their token, head and channel strides in bytes (K, V, queries, outputs).
+    ``toks``: the batch tokens whose writes are checked: ``half[l, i]`` says whether token
+    ``toks[i]``'s computed K (bit 1) and V (bit 2) rows differ from the cache's rows at its slot,
+    ``head[l, i]`` the first KV head that differs.
+
+    ``qt[s]``: audited query ``s``'s index in the forward's list, layer ``l``, step row, batch
+    token, head, KV head, position, window start, the row's tokens cached before this forward, its
+    sink logit's index in ``fl`` (-1: none) and its index among its layer's queries (the row of
+    the queries and outputs where they are the sampled rows only, ``gathered``). ``fl[4 * l : 4 * l
+    + 4]``: layer ``l``'s scale, soft-cap (0: none), and tolerance base and slope
     (:data:`kvcanary.audit.TOLERANCE`). Fills ``err`` with each query's error
-    (:func:`kvcanary.audit.error`; -1: a position without a slot), ``tols`` with its tolerance, and
-    ``shift`` with +1 or -1 where reading every cached block one page on or back gives the engine's
-    output (tried above the tolerance only)."""
+    (:func:`kvcanary.audit.error`; -1: a position without a slot), ``tols`` with its tolerance,
+    and ``shift`` with +1 or -1 where reading every cached block one page on or back gives the
+    engine's output (tried above the tolerance only)."""
+    for lay in range(layers.shape[0]):
+        c = layers[lay]
+        ka, va = ptrs[lay, 0], ptrs[lay, 1]
+        if ka == 0:
+            continue
+        step = steps[c[12]]
+        esz, nh, nd, bs = c[14], c[15], c[16], c[1]
+        for i in range(toks.shape[0]):
+            t = toks[i]
+            s = rd(step, NS, t)
+            half[lay, i] = 0
+            head[lay, i] = 0
+            if s < 0:
+                continue
+            kb = c[0] + (s // bs) * c[2] + (s % bs) * c[3]
+            vb = c[6] + (s // c[7]) * c[8] + (s % c[7]) * c[9]
+            hf = 0
+            first = -1
+            for h in range(nh):
+                if _differs(ka + t * strides[0] + h * strides[1], strides[2], kb + h * c[4], c[5], esz, nd):
+                    hf |= 1
+                    first = h if first < 0 else first
+                if _differs(va + t * strides[3] + h * strides[4], strides[5], vb + h * c[10], c[11], esz, nd):
+                    hf |= 2
+                    first = h if first < 0 else first
+            half[lay, i] = hf
+            head[lay, i] = first if first >= 0 else 0
+    if qt.shape[0] == 0:
+        return
     width = 1
     nd_max = 1
     for s in range(qt.shape[0]):
         width = max(width, qt[s, 6] - qt[s, 7] + 1)
-        nd_max = max(nd_max, descs[qt[s, 1], 22])
+        nd_max = max(nd_max, layers[qt[s, 1], 16])
     logits = np.empty(width, dtype=np.float64)
     slots = np.empty(width, dtype=np.int64)
     out = np.empty(nd_max, dtype=np.float64)
@@ -225,34 +236,30 @@ def audit_queries(descs, steps, qt, fl, err, shift, tols):  # type: ignore[no-un
     ov = np.empty(nd_max, dtype=np.float64)
     scratch = np.empty(nd_max, dtype=np.float64)
     for s in range(qt.shape[0]):
-        k, lay, r, hd, kvh, p, lo, cached, si = (qt[s, 0], qt[s, 1], qt[s, 2], qt[s, 4], qt[s, 5], qt[s, 6],
-                                                 qt[s, 7], qt[s, 8], qt[s, 9])
-        desc = descs[lay]
-        ck, cv, q, o = desc[0:6], desc[6:12], desc[12:16], desc[16:20]
-        dt, dq, nd, limit, step = desc[20], desc[21], desc[22], desc[23], steps[desc[24]]
-        tq, hq = (qt[s, 10], 0) if desc[25] else (qt[s, 3], hd)
+        k, lay, r, tok, hd, kvh, p, lo, cached, si = (qt[s, 0], qt[s, 1], qt[s, 2], qt[s, 3], qt[s, 4], qt[s, 5],
+                                                      qt[s, 6], qt[s, 7], qt[s, 8], qt[s, 9])
+        c = layers[lay]
+        qa, oa = ptrs[lay, 2], ptrs[lay, 3]
+        if qa == 0:
+            continue
+        nd, dq = c[16], c[18]
+        ck, cv, step = c[0:6], c[6:12], steps[c[12]]
         scale, softcap, base, slope = fl[4 * lay], fl[4 * lay + 1], fl[4 * lay + 2], fl[4 * lay + 3]
         qs, os_, row = qv[:nd], ov[:nd], scratch[:nd]
-        load_row(q[0] + tq * q[1] + hq * q[2], q[3], dq, qs)
-        load_row(o[0] + tq * o[1] + hq * o[2], o[3], dq, os_)
+        tq, hq = (qt[s, 10], 0) if gathered else (tok, hd)
+        load_row(qa + tq * strides[6] + hq * strides[7], strides[8], dq, qs)
+        load_row(oa + tq * strides[9] + hq * strides[10], strides[11], dq, os_)
         has_sink = si >= 0
         sink = fl[si] if has_sink else 0.0
-        e, mean = _error(ck, cv, dt, qs, os_, step, r, lo, p, kvh, cached, 0, limit, scale, softcap, sink, has_sink,
-                         logits, slots, out, row)
+        e, mean = _error(ck, cv, c[13], qs, os_, step, r, lo, p, kvh, cached, 0, c[17], scale, softcap, sink,
+                         has_sink, logits, slots, out, row)
         tol = base + slope * mean
         err[k] = e
         tols[k] = tol
         shift[k] = 0
         if e > tol:
             for sh in (1, -1):
-                if _error(ck, cv, dt, qs, os_, step, r, lo, p, kvh, cached, sh, limit, scale, softcap, sink, has_sink,
-                          logits, slots, out, row)[0] <= tol:
+                if _error(ck, cv, c[13], qs, os_, step, r, lo, p, kvh, cached, sh, c[17], scale, softcap, sink,
+                          has_sink, logits, slots, out, row)[0] <= tol:
                     shift[k] = sh
                     break
-
-
-def step_desc(step: torch.Tensor) -> np.ndarray:
-    """A step's descriptor (:func:`kvcanary.fused._step.describe`), for :func:`audit_queries`'s ``steps``."""
-    from kvcanary.fused._step import describe
-
-    return describe(step)  # type: ignore[arg-type]
