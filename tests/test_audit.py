@@ -139,8 +139,7 @@ def test_the_default_budget_finds_a_one_request_kernel_bug_as_its_rotation_comes
     assert hits[0].step - fault.injected_at < 8
 
 
-@pytest.mark.parametrize("target", ["attend", "write_mismatch", "plan_layers", "drain", "write_compare",
-                                    "audit_queries"])
+@pytest.mark.parametrize("target", ["attend", "write_mismatch", "plan_layers", "drain", "check_forward"])
 def test_an_audit_failure_never_reaches_the_engine_in_log_mode(monkeypatch, target):
     model = tiny_model(seed=0, layers=2)
     ps = prompts(8, seed=4)
@@ -154,7 +153,7 @@ def test_an_audit_failure_never_reaches_the_engine_in_log_mode(monkeypatch, targ
     from kvcanary.fused import audit as fused_audit
 
     owner = {"attend": audit, "write_mismatch": transformers_audit, "plan_layers": transformers_audit,
-             "drain": audit.Auditor, "write_compare": fused_audit, "audit_queries": fused_audit}[target]
+             "drain": audit.Auditor, "check_forward": fused_audit}[target]
     monkeypatch.setattr(owner, target, boom)
     backend = "fused" if owner is fused_audit else "torch"  # each function is reached on its own path
     logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
