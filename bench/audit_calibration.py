@@ -287,7 +287,7 @@ def run_faulty(fc: Any, dtype: str, seed: int, factor: float = 1.0) -> dict[str,
     gen, cb = cb_configs(max_new_tokens=10)
     injector = {**CB_FAULTS, **KERNEL_FAULTS}[fc.name]
     fault = CbFault(injector, at=3, seed=seed)
-    config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=True, audit_queries=FULL_AUDIT)
+    config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=True, audit_queries=FULL_AUDIT, audit_every=1)
     rec = Recorder(dtype)
     with captured() as cap, torch.inference_mode(), protect(model, config) as guard:
         rec.attach(guard)

@@ -62,6 +62,8 @@ class CanaryConfig:
     audit_queries : queries per forward whose attention output is recomputed in fp32 from the
         verified cache and compared with the engine's (rotating over layers, requests and heads);
         0 turns the read audit off
+    audit_every : the write check and the read audit run on every ``audit_every``-th forward (1: on
+        every forward); the rotation carries on where it stopped
     audit_tolerance : the largest accepted error of an audited query, as a fraction of the largest
         |V| it reads; ``None``: derived from the compute dtype and the query's logit size
         (:data:`kvcanary.audit.TOLERANCE`)
@@ -82,6 +84,7 @@ class CanaryConfig:
     repair_limit: int = 2
     write_check: bool = True
     audit_queries: int = 4
+    audit_every: int = 4
     audit_tolerance: float | None = None
 
     def __post_init__(self) -> None:
@@ -115,6 +118,8 @@ class CanaryConfig:
             raise ConfigError(f"write_check: expected True or False, got {_shown(self.write_check)}")
         if not (_is_int(self.audit_queries) and 0 <= self.audit_queries <= 4096):
             raise ConfigError(f"audit_queries: expected an integer in 0 .. 4096, got {_shown(self.audit_queries)}")
+        if not (_is_int(self.audit_every) and self.audit_every >= 1):
+            raise ConfigError(f"audit_every: expected an integer >= 1, got {_shown(self.audit_every)}")
         t = self.audit_tolerance
         if t is not None and not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e6):
             raise ConfigError(f"audit_tolerance: expected a positive number or None, got {_shown(t)}")
@@ -221,6 +226,7 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_REPAIR_LIMIT": ("repair_limit", _int),
     "KVCANARY_WRITE_CHECK": ("write_check", _bool),
     "KVCANARY_AUDIT_QUERIES": ("audit_queries", _int),
+    "KVCANARY_AUDIT_EVERY": ("audit_every", _int),
     "KVCANARY_AUDIT_TOLERANCE": ("audit_tolerance", _tolerance),
 }
 

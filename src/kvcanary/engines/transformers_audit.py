@@ -98,7 +98,7 @@ class CbAudit:
         self.fa, self.plans, self.write_tokens, self._qt, self._fl = None, {}, None, None, None
         self.stash.clear()
         self.qstash.clear()
-        if not self.on or not steps or not self._order:
+        if not self.on or not steps or not self._order or self.prot.forwards % self.prot.config.audit_every:
             return
         if batch.get("block_table") is not None:
             self.skipped += 1

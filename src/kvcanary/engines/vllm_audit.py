@@ -142,7 +142,7 @@ class VllmAudit:
     def begin(self, live: list[Any], rows: Any) -> None:
         """Plan this forward's write checks and audited queries from the steps' host values."""
         self.fa, self.plans, self.write_tokens = None, {}, None
-        if not self.on or not live:
+        if not self.on or not live or self.conn.forwards % self.conn.config.audit_every:
             return
         step = live[0].step
         qsl = step.new_offsets.long().numpy()

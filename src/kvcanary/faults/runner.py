@@ -214,7 +214,7 @@ def _run_transformers(fc: FaultClass, seed: int, model: Any, audit: bool) -> Fau
     gen, cb = cb_configs(max_new_tokens=10)
     fault = CbFault({**CB_FAULTS, **KERNEL_FAULTS}[fc.name], at=3, seed=seed)
     config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=audit,
-                          audit_queries=FULL_AUDIT if audit else 0)
+                          audit_queries=FULL_AUDIT if audit else 0, audit_every=1)
     restore = _quiet()
     try:
         with torch.inference_mode(), protect(model, config) as guard:

@@ -83,7 +83,8 @@ FAULTS: tuple[FaultSpec, ...] = (
     FaultSpec("rollback_one_short", "", Check.EMPTY | Check.POSITION | Check.LINK | Check.TOKEN, 1,
               run=(("spec", 3), ("prompts", "repetitive"), ("max_tokens", 48))),
     # inside the first layer's forward (kvcanary.audit), every request and layer audited each forward
-    *(FaultSpec(name, cls, BY_NAME[cls].checks, 1, (("KVCANARY_AUDIT_QUERIES", "64"),), audit=True)
+    *(FaultSpec(name, cls, BY_NAME[cls].checks, 1, (("KVCANARY_AUDIT_QUERIES", "64"), ("KVCANARY_AUDIT_EVERY", "1")),
+                audit=True)
       for name, cls in (("kernel_read_next_page", "attention_read_bug"), ("kernel_write_zeros", "write_lands_zeros"),
                         ("kernel_scale_of_one", "wrong_softmax_scale"))),
 )
