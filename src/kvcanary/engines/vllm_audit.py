@@ -123,6 +123,10 @@ class VllmAudit:
         self.index: dict[str, int] = {}  # layer name -> its number in the records' "layer" field
         self._cdesc: dict[str, tuple[int, np.ndarray]] = {}
         self._rows: dict[str, tuple[int, np.ndarray]] = {}
+        self._consts: dict[str, tuple[Any, ...]] = {}  # layer -> (rep, scale, soft-cap, tolerance, sinks), once seen
+        self._tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # this forward's compiled tables by layer
+        self._step_descs: dict[str, np.ndarray] = {}
+        self._strides: dict[tuple[Any, ...], np.ndarray] = {}
         self._wturn = 0
 
     def register(self, groups: list[Any], isa_of: Callable[[torch.Tensor], str], kv_caches: dict[str, torch.Tensor]) -> None:
@@ -142,6 +146,7 @@ class VllmAudit:
     def begin(self, live: list[Any], rows: Any) -> None:
         """Plan this forward's write checks and audited queries from the steps' host values."""
         self.fa, self.plans, self.write_tokens = None, {}, None
+        self._tables, self._step_descs = {}, {}
         if not self.on or not live or self.conn.forwards % self.conn.config.audit_every:
             return
         step = live[0].step
@@ -158,6 +163,13 @@ class VllmAudit:
                                  self.groups[name].name))
         windows = {self.index[n]: self.groups[n].plan.window for n in layers}
         self.plans = plan_layers(queries, windows, torch.device("cpu"))
+        self._tables = {}
+        if any(g.canary.backend == "fused" for g in live):  # the compiled loop's tables, for each layer's call
+            self._step_descs = {g.name: _loops().step_desc(g.step)[None] for g in live}
+            for i, name in enumerate(n for n in layers if self.index[n] in self.plans):
+                known = self._consts.get(name)
+                if known is not None:
+                    self._tables[name] = _table(self.plans[self.index[name]].qt, *known)
         s = len(queries)
         self.fa = self.auditor.begin(ForwardAudit(
             self.conn.forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries,
@@ -267,24 +279,26 @@ class VllmAudit:
         fa = self.fa
         assert fa is not None
         host = self.write_tokens[0] if write and self.write_tokens is not None else _NO_TOKENS
-        qt = _NO_QUERIES
-        fl = np.zeros(4 + (len(plan.qt) if plan is not None else 0))
-        fl[:4] = scale, softcap or 0.0, *tol
+        consts = (rep, scale, softcap or 0.0, tol, None if sinks is None else sinks.float().numpy())
+        self._consts[name] = consts
+        qt, fl = _NO_QUERIES, np.array([scale, softcap or 0.0, *tol])
         if plan is not None:
-            qt = np.zeros((len(plan.qt), 11), dtype=np.int64)
-            qt[:, [0, 2, 3, 4, 6, 7, 8]] = plan.qt[:, [0, 1, 2, 3, 5, 6, 7]]
-            qt[:, 5] = qt[:, 4] // rep
-            qt[:, 9] = np.arange(len(qt)) + 4 if sinks is not None else -1
-            if sinks is not None:
-                fl[4:] = sinks.float().numpy()[qt[:, 4]]
+            qt, fl = self._tables.get(name) or _table(plan.qt, *consts)
         ptrs = np.array([[key.data_ptr() if write else 0, value.data_ptr() if write else 0,
                           query.data_ptr() if plan is not None else 0, out3.data_ptr() if plan is not None else 0]],
                         dtype=np.int64)
-        strides = np.array(_strides(key) + _strides(value) + _strides(query) + _strides(out3), dtype=np.int64)
+        shape = (key.stride(), value.stride(), query.stride(), out3.stride(), key.element_size())
+        strides = self._strides.get(shape)
+        if strides is None:
+            strides = self._strides[shape] = np.array(_strides(key) + _strides(value) + _strides(query)
+                                                      + _strides(out3), dtype=np.int64)
         half = np.zeros((1, len(host)), dtype=np.int64)
         head = np.zeros_like(half)
-        _loops().check_forward(self._layer_row(name, g, kv_cache), ptrs, strides, _loops().step_desc(g.step)[None],
-                               host, qt, fl, half, head, fa.err, fa.shift, fa.tol, False)
+        steps = self._step_descs.get(g.name)
+        if steps is None:
+            steps = _loops().step_desc(g.step)[None]
+        _loops().check_forward(self._layer_row(name, g, kv_cache), ptrs, strides, steps, host, qt, fl, half, head,
+                               fa.err, fa.shift, fa.tol, False)
         if write:
             fa.writes.append(Writes([self.index[name]], [g.name], host, half, head))
             self._count_writes(len(host), key, kv_cache)
@@ -318,6 +332,26 @@ class VllmAudit:
     def close(self) -> None:
         for name in [n for n, a in REGISTRY.items() if a is self]:
             del REGISTRY[name]
+
+
+def _table(qt8: np.ndarray, rep: int, scale: float, softcap: float, tol: tuple[float, float],
+           sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's query table and floats for :func:`kvcanary.fused.audit.check_forward` from its
+    plan's (:class:`kvcanary.audit.LayerPlan`) and the layer's constants."""
+    n = len(qt8)
+    qt = np.empty((n, 11), dtype=np.int64)
+    qt[:, 0] = qt8[:, 0]
+    qt[:, 1] = 0
+    qt[:, 2:5] = qt8[:, 1:4]
+    qt[:, 5] = qt8[:, 3] // rep
+    qt[:, 6:9] = qt8[:, 5:8]
+    qt[:, 9] = np.arange(4, 4 + n) if sinks is not None else -1
+    qt[:, 10] = np.arange(n)
+    fl = np.empty(4 + (n if sinks is not None else 0))
+    fl[:4] = scale, softcap, *tol
+    if sinks is not None:
+        fl[4:] = sinks[qt8[:, 3]]
+    return qt, fl
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
