@@ -135,7 +135,7 @@ class Writes:
 
     layers: Sequence[int]
     groups: Sequence[str | None]  # each layer's group
-    tokens: Sequence[int]  # the tokens' indices in the batch (host)
+    tokens: Sequence[int] | np.ndarray  # the tokens' indices in the batch (host)
     half: torch.Tensor | np.ndarray  # int64 [layers, n]: 0, or which half differs (1 K, 2 V, 3 both)
     head: torch.Tensor | np.ndarray  # int64 [layers, n]: the first KV head that differs
 
@@ -321,18 +321,17 @@ def check_layer(fa: ForwardAudit, plan: LayerPlan, slots: torch.Tensor, q: torch
     audited."""
     complete = (slots >= 0).logical_or(~plan.inside).all(1)
     valid = plan.inside & (slots >= 0)
-    errs = []
-    limit = None
+    errs, limits = [], []
     for shift in (0, 1, -1):  # as read, then every cached block one page on / back
         k, v = read(slots, shift)
         ref, vmax, mean = attend(q, k, v, valid, scale, softcap, sink)
         errs.append(error(engine_out, ref, vmax))
-        limit = tol[0] + tol[1] * mean if limit is None else limit
-    e = errs[0]
+        limits.append(tol[0] + tol[1] * mean)
+    e, limit = errs[0], limits[0]  # the tolerance of the query as read
     explained = torch.where(errs[1] <= limit, 1, torch.where(errs[2] <= limit, -1, 0))
     fa.err[plan.picked] = torch.where(complete, e, -1.0).to(fa.err.dtype)
     fa.shift[plan.picked] = torch.where(e > limit, explained, 0).to(fa.shift.dtype)
-    fa.tol[plan.picked] = limit.to(fa.tol.dtype)  # type: ignore[union-attr]
+    fa.tol[plan.picked] = limit.to(fa.tol.dtype)
 
 
 def _slot(fa: ForwardAudit, group: str | None, token: int) -> int:

@@ -119,6 +119,9 @@ class CbAudit:
             queries.append(Query(layer, r, int(cu[r] + off), head, int(past[r] + off), int(past[r]),
                                  self.layer_group[layer].name))
         s = len(queries)
+        err: Any
+        shift: Any
+        tol: Any
         if self._fused:
             self._plan_fused(queries)
             err, shift, tol = np.full(s, -1.0), np.zeros(s, dtype=np.int64), np.zeros(s)
@@ -285,7 +288,7 @@ class CbAudit:
                 strides[0:6] = _strides(k0, 2, 1, 3) + _strides(v0, 2, 1, 3)
         if audit:
             for layer, (q, o, gathered) in self.qstash.items():
-                if q0 is None:
+                if q0 is None or o0 is None:
                     q0, o0 = q, o
                 if q.stride() != q0.stride() or o.stride() != o0.stride() or q.dtype != c.dtype or o.dtype != c.dtype:
                     continue  # another shape or dtype than the forward's first: left out (its queries stay -1)
