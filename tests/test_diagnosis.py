@@ -82,7 +82,7 @@ def test_transformers_faults_get_their_class_in_the_log_with_readers_and_writers
 
 def test_every_rule_has_a_test_that_drives_it_and_a_failing_diagnosis_never_hides_a_report(monkeypatch):
     covered = {"bytes_changed", "slot_reused", "table_shifted", "foreign_slot", "write_position", "write_input",
-               "transfer", "never_written", "padding_write"}
+               "transfer", "never_written", "padding_write", "cache_write", "kernel_read"}
     assert {k for k, _, _ in RULES} == covered
     import kvcanary.canary as cm
 
@@ -96,3 +96,19 @@ def test_every_rule_has_a_test_that_drives_it_and_a_failing_diagnosis_never_hide
     step, _ = random_step(random.Random(2), 64 * 4, 4, [(9, 1)])
     c.before_forward(step)
     assert c.poll() and c.internal_errors == 0  # reported undiagnosed, not lost
+
+
+def test_the_audits_reports_are_diagnosed_as_a_cache_write_or_a_kernel_read():
+    """The write check's and the read audit's records (kvcanary.audit) get their own classes, with
+    the layer, the head, the error against its tolerance and the page shift that explains it."""
+    from kvcanary.diagnosis import explain
+    from kvcanary.violations import Check, Site, Violation, events
+
+    write = Violation(Site.WRITE, Check.WRITE_CONTENT, 5, 1, 40, 7, 0, 3, -1, 0, 0, 0, 0, 2, request="r1")
+    d = explain(events([write])[0])
+    assert d.kind == "cache_write" and "layer(s) 2" in d.evidence and "slot 40" in d.evidence
+    assert "K and V bytes than the model computed" in write.describe()
+    read = Violation(Site.AUDIT, Check.ATTENTION, 5, 1, 40, 7, 3, -1, 1, 1000, 187000, 0, 0, 0, request="r1")
+    d = explain(events([read])[0])
+    assert d.kind == "kernel_read" and "layer 0 head 3" in d.evidence and "0.187" in d.evidence
+    assert "1 page(s) on" in d.evidence and "1 block(s) on explains it" in read.describe()

@@ -316,7 +316,8 @@ def _selftest(args: argparse.Namespace) -> int:
         fwd_s = "-" if r["forwards_max"] is None else str(r["forwards_max"])
         harm = ("-" if r.get("harmful_reads_max") is None else str(r["harmful_reads_max"])) if r.get(
             "harmful_tokens_max") is None else f"{r['harmful_tokens_max']}t"  # engine rows: tokens
-        fired = ",".join(r["checks_fired"]) or (str(r.get("why", "")) if r["status"] == "miss" else "")  # type: ignore[arg-type]
+        fired = ",".join(r["checks_fired"]) or (  # type: ignore[arg-type]
+            str(r.get("why", "")) if r["status"] in ("miss", "not run") else "")
         zoo = ",".join(r["zoo"])  # type: ignore[arg-type]
         if r.get("missed_without_audit") is not None:
             fired += f" (without the audit: missed {r['missed_without_audit']}/{r['runs']})"

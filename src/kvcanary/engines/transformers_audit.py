@@ -272,7 +272,7 @@ class CbAudit:
         k0 = v0 = q0 = o0 = None
         gathered = False
         if writes:
-            for layer, (k, v) in self.stash.items():
+            for layer, (k, v) in list(self.stash.items()):
                 info = self._layers.get(layer)
                 if info is None:
                     continue
