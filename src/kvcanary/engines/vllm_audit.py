@@ -103,9 +103,7 @@ def kv_views(kv: torch.Tensor, isa: str) -> tuple[Callable[..., torch.Tensor], C
 
 
 class VllmAudit:
-    """The write check and read audit of one worker's connector.
-
-    """
+    """The write check and read audit of one worker's connector."""
 
     def __init__(self, conn: Any, heads: int) -> None:
         cfg = conn.config
@@ -163,10 +161,9 @@ class VllmAudit:
                                  self.groups[name].name))
         windows = {self.index[n]: self.groups[n].plan.window for n in layers}
         self.plans = plan_layers(queries, windows, torch.device("cpu"))
-        self._tables = {}
         if any(g.canary.backend == "fused" for g in live):  # the compiled loop's tables, for each layer's call
             self._step_descs = {g.name: _loops().step_desc(g.step)[None] for g in live}
-            for i, name in enumerate(n for n in layers if self.index[n] in self.plans):
+            for name in (n for n in layers if self.index[n] in self.plans):
                 known = self._consts.get(name)
                 if known is not None:
                     self._tables[name] = _table(self.plans[self.index[name]].qt, *known)
@@ -219,11 +216,6 @@ class VllmAudit:
             return
         if not getattr(md, "causal", True) or getattr(md, "dynamic_causal", None) is not None:
             return
-        key_views = (kv_cache.data_ptr(), self.isa[name])
-        views = self._views.get(key_views)
-        if views is None:
-            views = self._views[key_views] = kv_views(kv_cache, self.isa[name])
-        k_at, v_at = views
         write = self.write_tokens is not None and getattr(impl, "kv_sharing_target_layer_name", None) is None
         plan = self.plans.get(self.index[name])
         window = impl.sliding_window if impl.sliding_window and impl.sliding_window > 0 else None
@@ -241,6 +233,7 @@ class VllmAudit:
             self._compiled(name, g, kv_cache, key, value, query, out3, write, plan, rep, softcap, sinks, tol,
                            float(impl.scale))
             return
+        k_at, v_at = self._readers(name, kv_cache)  # the torch reference's typed views
         if write:
             host, toks = self.write_tokens  # type: ignore[misc]
             slots = g.step.new_slots[toks]
@@ -265,6 +258,13 @@ class VllmAudit:
         view = dataclasses.replace(fa, err=err, shift=sh, tol=tl)  # the torch reference writes through these
         check_layer(view, plan, slots, query[plan.token, plan.head], out3[plan.token, plan.head], read,
                     float(impl.scale), softcap, sinks[plan.head] if sinks is not None else None, tol)
+
+    def _readers(self, name: str, kv_cache: torch.Tensor) -> tuple[Callable[..., Any], ...]:
+        key = (kv_cache.data_ptr(), self.isa[name])
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = kv_views(kv_cache, self.isa[name])
+        return views
 
     def _count_writes(self, n: int, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
         c = self.auditor.counts
