@@ -6,7 +6,8 @@ eager and sdpa attention, a mixture of experts), forks (``num_return_sequences``
 sampling, tight memory (evictions and soft resets), CPU offloading, a warm persistent manager whose
 prefix cache already holds blocks written before protection, shared-prefix prompts and chunked
 prefill. :func:`run_cb_config` runs one configuration once without and once with
-``protect(model, CanaryConfig(mode="raise", content_budget_bytes=None))``; a clean engine must
+``protect(model, CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16))``
+(every read byte verified, every forward audited); a clean engine must
 give no violation, no internal error, no failed request, no exception and the same tokens.
 Violations are read from the protection and from each canary's history (a raise-mode error may die
 in the engine's worker thread, leaving only ``error`` strings on the requests: those count too).
@@ -287,7 +288,9 @@ def run_cb_config(cfg: CbConfig, hooks: Sequence[Any] = ()) -> dict[str, Any]:
     model = tiny_arch(cfg.arch, seed=cfg.seed % 1000, layers=cfg.layers)
     with _quiet():
         base = session(model, cfg, None)
-        run = session(model, cfg, CanaryConfig(mode="raise", content_budget_bytes=None), hooks)
+        # every read byte verified, and the write check and read audit on every forward
+        run = session(model, cfg, CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16),
+                      hooks)
         same: bool | None = tokens(run.out) == tokens(base.out)
         if not same and not run.error:
             again = session(model, cfg, None)
