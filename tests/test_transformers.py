@@ -280,8 +280,12 @@ def test_fused_step_building_equals_the_torch_construction(llama, which):
         for name in a:
             for f in a[name].__dataclass_fields__:
                 x, y = getattr(a[name], f), getattr(b[name], f)
-                if f == "slot_table":  # without the scratch row and column (the torch build's landing spot)
-                    x, y = x[:-1, :-1], y[:-1, :-1]
+                if f in ("slot_table", "expected_tokens") and x is not None:
+                    # the compiled build rounds the width up (its buffers outlive a forward): the columns
+                    # past the torch build's are -1; the torch build's scratch row and column are left out
+                    r, w = a[name].num_rows, y.shape[1] - (f == "slot_table")
+                    assert bool((x[:r, w:] == -1).all()), (name, f)
+                    x, y = x[:r, :w], y[:r, :w]
                 if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
                     assert x is not None and y is not None and torch.equal(x.long(), y.long()), (name, f)
                 else:

@@ -158,6 +158,12 @@ class Canary:
         self.ledger = (CheckLedger(num_slots, every_read=self.content_slots is None)
                        if self.device.type == "cpu" and self.backend != "triton" and self.layout.sources else None)
         self.callbacks = list(on_violation)
+        # the fused path's forward hooks as one compiled call each (kvcanary.fused.forward)
+        self._fast = None
+        if self.backend == "fused":
+            from kvcanary.fused.forward import ForwardArgs
+
+            self._fast = ForwardArgs(self)
 
     def _resolve_backend(self) -> str:
         want = self.config.backend
@@ -314,8 +320,37 @@ class Canary:
         layout's page size, is a :class:`~kvcanary.errors.StepError`: like every bad argument, raised
         in ``raise`` mode, counted as an internal error (and logged) in ``log`` and ``quarantine``
         mode, which never raise into the engine."""
+        if self._fast is not None:
+            content = -1 if self.content_slots is None else self.content_slots
+            if self._fast.before(self._described(step), content, ops.BEFORE_WRITES, self.validate, self.forwards) < 0:
+                self._refuse(step)
+            return
         self._prepare(step)
         self._verify(step, ops.BEFORE_WRITES)
+
+    def _described(self, step: Step) -> Any:
+        """The fused path's descriptor of ``step``, after the checks of :meth:`_prepare` that do not
+        read values (those run inside the compiled entry); both kept in the step's memo."""
+        memo = step.__dict__.get("_memo")
+        if memo is not None and memo.get("prepared") is self:
+            return memo["fused_desc"]
+        if not isinstance(step, Step):
+            raise StepError(f"step: expected a kvcanary.step.Step, got {type(step).__name__}")
+        step.validate_shapes()
+        if self._pages:
+            self._check_pages(step)
+        if step.cached_lens.device != self.device:
+            raise UnsupportedError(f"step tensors on {step.cached_lens.device}, the canary's pool on {self.device}")
+        from kvcanary.fused._step import describe
+
+        d = describe(step)
+        step.memo()["prepared"] = self
+        return d
+
+    def _refuse(self, step: Step) -> None:
+        """Raise the worded error of a step whose values the compiled check refused."""
+        step.validate_values(self.num_slots)
+        raise KvCanaryError("kvcanary internal error: the fused step check refused a step the torch check accepts")
 
     def _verify(self, step: Step, part: int) -> None:
         window = None
@@ -332,7 +367,7 @@ class Canary:
             self.ledger.mark(slots, self.forwards)
 
     @_guarded(_forget_written)
-    def after_forward(self, step: Step, padding_slots: torch.Tensor | None = None) -> None:
+    def after_forward(self, step: Step, padding_slots: torch.Tensor | None = None, patrol: bool = False) -> None:
         """Stamp every slot the step wrote, fingerprinting its KV bytes, and check the writes; then
         verify the reads of slots this step wrote (``step.written_from``).
 
@@ -343,11 +378,26 @@ class Canary:
         the host: pass them only when there are some.
 
         A bad ``step`` is handled as in :meth:`before_forward`; in ``log`` and ``quarantine`` mode
-        every slot then becomes unknown, since which slots the forward wrote cannot be told."""
-        self._prepare(step)
-        self._stamp(step, self.ring.counters, self.ring.rows)
-        self._note_writers(step)
-        self._checked(step.new_slots.long())
+        every slot then becomes unknown, since which slots the forward wrote cannot be told.
+
+        ``patrol``: run this forward's share of the patrol scrub too, once the forward is counted
+        (as :meth:`patrol` called after it would; on the fused path in the same compiled call)."""
+        if self._fast is not None:
+            n = self.patrol_slots if patrol else 0
+            done = self._fast.after(self._described(step), self.validate, self.forwards, padding_slots is None,
+                                    self.scrub_cursor, n)
+            if done < 0:
+                self._refuse(step)
+            if done == 0:  # kvcanary.fused.forward.DONE: the guard, the count and the patrol ran
+                self.forwards += 1
+                if n:
+                    self._walk_patrol(n)
+                return
+        else:
+            self._prepare(step)
+            self._stamp(step, self.ring.counters, self.ring.rows)
+            self._note_writers(step)
+            self._checked(step.new_slots.long())
         if padding_slots is not None:
             self._check_padding(padding_slots)
         wf = step.written_from
@@ -360,6 +410,8 @@ class Canary:
         self.guard()  # a failure of its own is counted apart: this step's stamps stand
         self._count(Counter.STEPS, 1)
         self.forwards += 1
+        if patrol:
+            self.patrol()
 
     def _count(self, counter: Counter, n: int) -> None:
         """Add ``n`` to a device counter (on the fused CPU path through a numpy view: a torch index op
@@ -508,9 +560,12 @@ class Canary:
         which syncs anyway)."""
         if not self._reserved.numel():
             return
-        hit = self._reserved_hit >= 0
-        if not (hit.numpy().any() if hit.is_cpu else bool(hit.any())):
+        if self._reserved_hit.is_cpu:
+            if self._reserved_hit.numpy().max() < 0:
+                return
+        elif not bool((self._reserved_hit >= 0).any()):
             return
+        hit = self._reserved_hit >= 0
         s = self._reserved[hit]
         m1 = torch.full_like(s, -1)
         cols = [m1, s, m1, m1, m1, m1, torch.zeros_like(s), torch.zeros_like(s), self._reserved_got[hit],
@@ -522,18 +577,22 @@ class Canary:
 
     def _next_patrol(self, n: int) -> torch.Tensor:
         """The next ``n`` slots of the round-robin walk over the pool (scrub and patrol share it)."""
+        first = self._walk_patrol(n)
+        if self.backend == "fused":
+            return torch.from_numpy((np.arange(n) + first) % self.num_slots)
+        return (torch.arange(n, device=self.device) + first) % self.num_slots
+
+    def _walk_patrol(self, n: int) -> int:
+        """Move the walk's cursor past its next ``n`` slots; returns where they start."""
         visits = self._patrol_visits
         visits.append((self.forwards, n))
         self._patrol_walked += n
         while self._patrol_walked - visits[0][1] >= self.num_slots:
             self._patrol_walked -= visits.popleft()[1]  # the slots at the cursor were walked over again since
-        if self.backend == "fused":
-            slots = torch.from_numpy((np.arange(n) + self.scrub_cursor) % self.num_slots)
-        else:
-            slots = (torch.arange(n, device=self.device) + self.scrub_cursor) % self.num_slots
-        self.scrub_passes += (self.scrub_cursor + n) // self.num_slots
-        self.scrub_cursor = (self.scrub_cursor + n) % self.num_slots
-        return slots
+        first = self.scrub_cursor
+        self.scrub_passes += (first + n) // self.num_slots
+        self.scrub_cursor = (first + n) % self.num_slots
+        return first
 
     @_guarded(_forget_slots)
     def release(self, slots: torch.Tensor) -> None:
@@ -582,7 +641,9 @@ class Canary:
         try:
             self._flush_guards()
             found = self.ring.drain()
-            if self.unknown_possible:  # the drain synced already; one more look at the pool
+            # the drain synced already; one more look at the pool (the fused stamp reads each row's
+            # seed whatever this flag says: no scan of the pool there)
+            if self.unknown_possible and self.backend != "fused":
                 self.unknown_possible = bool((self.stamps[:, checks.POSITION] == checks.UNKNOWN_POS).any())
         except Exception as e:
             if self.config.mode == "raise":

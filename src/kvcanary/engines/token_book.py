@@ -24,23 +24,37 @@ class TokenBook:
     def streams(self, states: list[Any], upto: list[int], width: int) -> torch.Tensor:
         """int64 ``[len(states), width]``: request ``i``'s tokens ``[0, upto[i])``, then -1 (from
         transformers request states: ``request_id``, ``initial_tokens``, ``generated_tokens``)."""
+        return self._window(self.update(states, upto, width), upto, width)
+
+    def update(self, states: list[Any], upto: list[int], width: int = 0) -> list[int]:
+        """Append each request's tokens up to ``upto[i]`` not seen before (from transformers request
+        states), with room for ``width`` positions; returns each request's row of :attr:`buf`."""
         rows: list[int] = []
         vals: list[int] = []
         rr: list[int] = []
         pp: list[int] = []
+        row_of, have = self.row, self.have
         for st, u in zip(states, upto):
-            r = self._row(st.request_id)
-            h = self.have[st.request_id]
+            rid = st.request_id
+            r = row_of.get(rid)
+            if r is None:
+                r = self._row(rid)
+            h = have[rid]
             if h < u:
-                init, gen = st.initial_tokens, st.generated_tokens
-                new = init[h:u] + gen[max(0, h - len(init)) : max(0, u - len(init))]
+                init = st.initial_tokens
+                n0 = len(init)
+                if h >= n0:  # a decoding request: generated tokens only
+                    new = st.generated_tokens[h - n0 : u - n0]
+                else:
+                    new = init[h:u] + st.generated_tokens[: max(0, u - n0)]
+                k = len(new)
                 vals += new
-                rr += [r] * len(new)
-                pp += range(h, h + len(new))
-                self.have[st.request_id] = h + len(new)
+                rr += [r] * k
+                pp += range(h, h + k)
+                have[rid] = h + k
             rows.append(r)
         self._write(rr, pp, vals, max(upto + [width]))
-        return self._window(rows, upto, width)
+        return rows
 
     def extend(self, rid: str, start: int, tokens: list[int]) -> None:
         """Request ``rid``'s tokens from position ``start`` on (a stream's known tokens only grow)."""

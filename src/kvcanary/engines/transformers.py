@@ -99,6 +99,7 @@ class Protection(Adapter):
         self.audit = CbAudit(self)  # the write check and the read audit inside each forward
         self._padding: dict[str, torch.Tensor] = {}  # each group's padding writes of the forward in flight
         self._freed: dict[str, dict[int, torch.Tensor]] = {}  # group -> block -> stamps, freed since the last forward
+        self._builder: Any = None  # the compiled step builder's buffers (fused backend)
 
     # ---- install / remove -------------------------------------------------------------------
 
@@ -224,7 +225,12 @@ class Protection(Adapter):
 
     def build_steps(self, runner: Any, batch: dict, reqs: list | None = None) -> dict[str, Step]:
         """One Step per layer group from a forward's own metadata (see :func:`transformers_steps.build_steps`)."""
-        return build_steps(self.groups, self.book if self.check_tokens else None, runner, batch, reqs)
+        if self._builder is None and self.groups and next(iter(self.groups.values())).canary.backend == "fused":
+            from kvcanary.engines.transformers_compiled import StepBuilder
+
+            self._builder = StepBuilder()
+        return build_steps(self.groups, self.book if self.check_tokens else None, runner, batch, reqs,
+                           builder=self._builder)
 
     def before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         self._stream = getattr(runner.inputs_and_outputs, "compute_stream", None)  # the forward's (None on a CPU)
@@ -271,10 +277,11 @@ class Protection(Adapter):
 
     def _after(self, steps: dict[str, Step]) -> None:
         self.audit.finish()  # the write checks a decode-sized forward keeps for after it
-        for name, step in steps.items():
-            self.groups[name].canary.after_forward(step, self._padding.get(name))
-        for g in self.groups.values():  # this forward's share of the patrol over cold cache
-            g.canary.patrol()
+        for name, step in steps.items():  # with this forward's share of the patrol over cold cache
+            self.groups[name].canary.after_forward(step, self._padding.get(name), patrol=True)
+        for name, g in self.groups.items():
+            if name not in steps:
+                g.canary.patrol()
         self.forwards += 1
         self.poll()
         self.publish_metrics()

@@ -84,13 +84,15 @@ def padding_writes(groups: dict[str, Group], batch: dict, steps: dict[str, Step]
 
 
 def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, batch: dict,
-                reqs: list | None = None, fused: bool | None = None) -> dict[str, Step]:
+                reqs: list | None = None, fused: bool | None = None, builder: Any = None) -> dict[str, Step]:
     """One Step per layer group from a forward's own metadata, on the batch's device.
 
     ``reqs`` are the batch's requests (default: read from the runner). Shapes come from the
     requests' host-side lengths and the index tensors' own sizes, so no device value is read on
     the host; host-built tensors travel through pinned memory. On a CPU pool with the fused
-    backend (``fused=None``: whenever the groups use it) the tables are filled by compiled loops.
+    backend (``fused=None``: whenever the groups use it) the steps are filled by compiled loops
+    (:class:`kvcanary.engines.transformers_compiled.StepBuilder`; ``builder``: the one that keeps
+    this protection's buffers between forwards).
     """
     if reqs is None:
         reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
@@ -101,7 +103,9 @@ def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, b
     if fused is None:
         fused = dev.type == "cpu" and next(iter(groups.values())).canary.backend == "fused"
     if fused and batch.get("block_table") is None:
-        return _cpu_steps(groups, book, batch, reqs)
+        from kvcanary.engines.transformers_compiled import StepBuilder
+
+        return (builder or StepBuilder()).build(groups, book, batch, reqs)
     q_host = torch.tensor([fs.query_length for fs in reqs], dtype=torch.int64)
     past_host = torch.tensor([fs.state.position_offset - fs.query_length for fs in reqs], dtype=torch.int64)
     wrow_host, j = checks.rows_of(q_host)
@@ -170,45 +174,5 @@ def fast_path_steps(groups: dict[str, Group], batch: dict, past: torch.Tensor, e
             block_table=blocks, block_size=g.tpp, cached_lens=past, new_offsets=torch.arange(r + 1, device=past.device),
             new_tokens=tokens, new_positions=positions, new_slots=torch.where(blocks[rows, col] >= 0, slot, -1),
             expected_tokens=exp_tok, expected_new_tokens=exp_new,
-        )
-    return steps
-
-
-def _cpu_steps(groups: dict[str, Group], book: TokenBook | None, batch: dict, reqs: list) -> dict[str, Step]:
-    """:func:`build_steps` on a CPU pool with the fused backend: the same steps, each group's table
-    filled by one compiled loop (:func:`kvcanary.fused.steps.rows_table`) instead of ~20 torch ops."""
-    import numpy as np
-
-    from kvcanary.fused.steps import rows_table
-
-    r = len(reqs)
-    q_list = [fs.query_length for fs in reqs]
-    past_list = [fs.state.position_offset - fs.query_length for fs in reqs]
-    total = sum(q_list)
-    upto = [p + q for p, q in zip(past_list, q_list)]
-    width = max(1, max(upto))
-    q_host = np.array(q_list, dtype=np.int64)
-    past = torch.tensor(past_list, dtype=torch.int64)
-    exp_tok = book.streams([fs.state for fs in reqs], upto, width) if book is not None else None
-    exp_np = exp_tok.numpy() if exp_tok is not None else np.zeros((0, 0), dtype=np.int64)
-    cu_q = batch["cu_seq_lens_q"][: r + 1].long()
-    tokens = batch["input_ids"][0, :total]
-    positions = batch["position_ids"][0, :total]
-    steps = {}
-    for name, g in groups.items():
-        cu_k = batch["cu_seq_lens_k"]
-        cu_k = (cu_k[name] if isinstance(cu_k, dict) else cu_k)[: r + 1]
-        read = batch["read_index"][g.index]
-        write = batch["write_index"][g.index][:total]
-        table = torch.empty((r + 1, width + 1), dtype=torch.int64)
-        ncached = torch.empty(r, dtype=torch.int64)
-        wslot = torch.empty(total, dtype=torch.int64)
-        exp_new = torch.empty(total if exp_tok is not None else 0, dtype=torch.int64)
-        rows_table(read.numpy(), cu_k.numpy(), q_host, past.numpy(), write.numpy(), g.stride, g.tpp, g.trash,
-                   table.numpy(), ncached.numpy(), wslot.numpy(), exp_np, exp_new.numpy())
-        steps[name] = Step(
-            slot_table=table, cached_lens=past, read_starts=past - ncached, new_offsets=cu_q,
-            new_tokens=tokens, new_positions=positions, new_slots=wslot,
-            expected_tokens=exp_tok, expected_new_tokens=exp_new if exp_tok is not None else None,
         )
     return steps

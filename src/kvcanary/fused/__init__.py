@@ -33,10 +33,13 @@ def loops() -> dict[str, Any]:
     :func:`available` compiles or loads. Imports the compiled modules."""
     from numba.core.dispatcher import Dispatcher
 
-    from kvcanary.fused import _core, _step, ops, steps
+    from kvcanary.engines import transformers_compiled
+    from kvcanary.fused import _core, _step, forward, ops, steps
 
-    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps) for k, v in vars(m).items()
-            if isinstance(v, Dispatcher) and v.targetoptions.get("inline") != "always"}
+    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, transformers_compiled)
+            for k, v in vars(m).items()
+            if isinstance(v, Dispatcher) and v.targetoptions.get("inline") != "always"
+            and v.py_func.__module__ == m.__name__}
 
 
 def compiled() -> int:
@@ -81,5 +84,19 @@ def _warm_up() -> None:
     steps.written_from(step)
     steps.note_writers(step, torch.full((9, 2), -1, dtype=torch.int64), 8, 0)
     i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
-    steps.rows_table(i64(), np.array([0, 1], dtype=np.int32), i64(1), i64(0), i64(0), 8, 8, -1,
-                     np.zeros((2, 2), dtype=np.int64), i64(0), i64(0), np.zeros((0, 0), dtype=np.int64), i64())
+    i32 = lambda *v: np.array(v, dtype=np.int32)  # noqa: E731
+    from kvcanary.engines.transformers_compiled import fill_common, fill_group
+
+    e2 = np.zeros((0, 0), dtype=np.int64)
+    fill_common(i64(1), i64(0), e2, i64(), i32(0, 1), i64(5), i64(0), i64(0, 0), i64(0), i64(0), e2, i64())
+    fill_group(i64(), i32(0, 1), i64(1), i64(0), i64(0), 8, 8, -1, np.zeros((2, 2), dtype=np.int64), i64(0), i64(0))
+    from kvcanary.fused import forward
+    from kvcanary.fused._step import describe
+
+    d, led = describe(step), np.full(8, -1, dtype=np.int64)
+    st, c, rg = stamps.data_ptr(), counters.data_ptr(), ring.data_ptr()
+    cursor = torch.zeros(1, dtype=torch.int64)  # held: the loop writes through its address
+    forward._before(d, st, 8, table.src, table.runs, table.keys, c, cursor.data_ptr(), -1, rg, 4,
+                    table.bytes_per_slot, 1, True, led, led.copy(), 0)
+    forward._after(d, st, 8, table.src, table.runs, table.keys, c, rg, 4, table.bytes_per_slot, True,
+                   np.full((9, 2), -1, dtype=np.int64), led, led.copy(), 0, True, 0, 0, 0, 0, 0, 0, 0, 0, 1)

@@ -55,7 +55,11 @@ def _range(d, r, part):  # type: ignore[no-untyped-def]
 
 
 @njit(**JIT)
-def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slots, ring, cap, bps, part):  # type: ignore[no-untyped-def]
+def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slots, ring, cap, bps, part, led_at,  # type: ignore[no-untyped-def]
+            led_before, forward):
+    """Verify the reads of ``part``; with a ledger (``led_at`` non-empty: the canary's
+    :class:`~kvcanary.harm.CheckLedger` arrays) and a content budget, the read entries of the content
+    window are marked as fingerprinted at ``forward``, as :meth:`CheckLedger.window` takes them."""
     nrows = d[NROWS]
     n = 0
     for r in range(nrows):
@@ -71,6 +75,7 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
     step_id = ld_i64(counters + 8 * _STEPS)
     has_et = d[ET] != 0
     et_w = d[ET + 5]
+    mark = led_at.shape[0] > 0 and content_slots > 0 and n > 0
     e = 0
     nlinked = nreadable = nunknown = nsel = 0
     for r in range(nrows):
@@ -105,6 +110,8 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
                     exp_tok = rd2(d, ET, r, pos)
                 if readable and exp_tok != -1 and s_tok != exp_tok:
                     checks |= _C_TOK
+            if mark and (e - cur) % n < k and not bad:
+                mark_checked(led_at, led_before, slot, forward)
             exp_cont = np.int64(0)
             if has_content and readable and (e - cur) % n < k:
                 exp_cont = fold_slot(src, runs, keys, slot)
@@ -249,25 +256,39 @@ def _stamp(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, seed
     bump(counters, _K_SBYTES, nkept * bps)
 
 
+@njit(inline="always", **JIT)
+def scrub_one(stamps, num_slots, src, runs, keys, s, counters, ring, cap, site, step_id):  # type: ignore[no-untyped-def]
+    """Re-fingerprint slot ``s`` against its stamp; 1 when it holds one (a live slot), else 0."""
+    if s < 0 or s >= num_slots:
+        return 0
+    sa = stamps + 32 * s
+    pos = ld_i64(sa + 8)
+    if pos < 0:
+        return 0
+    if src.shape[0] > 0:
+        exp = fold_slot(src, runs, keys, s)
+        cont = ld_i64(sa + 24)
+        if cont != exp:
+            record(counters, ring, cap, site, _C_CONT, step_id, -1, s, pos, -1, ld_i64(sa), pos, 0, ld_i64(sa + 16),
+                   exp, cont, -1)
+    return 1
+
+
+@njit(inline="always", **JIT)
+def mark_checked(led_at, led_before, s, forward):  # type: ignore[no-untyped-def]
+    """:meth:`kvcanary.harm.CheckLedger.mark` of one slot in the pool."""
+    if led_at[s] != forward:
+        led_before[s] = led_at[s]
+        led_at[s] = forward
+
+
 @njit(**JIT)
 def _scrub(stamps, num_slots, src, runs, keys, slots, esz, n, counters, ring, cap, bps, site):  # type: ignore[no-untyped-def]
     step_id = ld_i64(counters + 8 * _STEPS)
-    has_src = src.shape[0] > 0
     live = 0
     for i in range(n):
         s = ld_i64(slots + 8 * i) if esz == 8 else ld_i32(slots + 4 * i)
-        if s < 0 or s >= num_slots:
-            continue
-        sa = stamps + 32 * s
-        pos = ld_i64(sa + 8)
-        if pos < 0:
-            continue
-        live += 1
-        exp = fold_slot(src, runs, keys, s) if has_src else np.int64(0)
-        cont = ld_i64(sa + 24)
-        if has_src and cont != exp:
-            record(counters, ring, cap, site, _C_CONT, step_id, -1, s, pos, -1, ld_i64(sa), pos, 0, ld_i64(sa + 16),
-                   exp, cont, -1)
+        live += scrub_one(stamps, num_slots, src, runs, keys, s, counters, ring, cap, site, step_id)
     bump(counters, _K_SCRUBBED, live)
     bump(counters, _K_SCBYTES, live * bps)
 
@@ -349,6 +370,9 @@ def _validate(d, num_slots):  # type: ignore[no-untyped-def]
 # ---- the Python side: descriptors in, the compiled loop, nothing else --------------------------
 
 
+_NO_LEDGER = np.zeros(0, dtype=np.int64)
+
+
 def _ring_args(counters: torch.Tensor, ring: torch.Tensor) -> tuple[int, int, int]:
     return (checked_out(counters, (NUM_COUNTERS,)), checked_out(ring, (ring.shape[0], NUM_FIELDS)), ring.shape[0])
 
@@ -364,7 +388,7 @@ def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.T
     st = checked_out(stamps, (stamps.shape[0], 4))
     return int(_verify(describe(step), st, stamps.shape[0], src.src, src.runs, src.keys, c,
                        checked_out(cursor, (1,)), -1 if content_slots is None else content_slots, rg, cap,
-                       src.bytes_per_slot, part))
+                       src.bytes_per_slot, part, _NO_LEDGER, _NO_LEDGER, 0))
 
 
 def seeds(stamps: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,145 @@
+"""transformers continuous batching on a CPU pool with the fused backend: a forward's steps filled by
+compiled loops into buffers kept from one forward to the next.
+
+Equal, field for field, to :func:`kvcanary.engines.transformers_steps.build_steps`' torch
+construction on the positions the checks use (``tests/test_transformers.py`` compares them on live
+runs). The buffers, and the :class:`~kvcanary.step.Step` objects over them, are made again only when
+the forward's shape changes (its requests, new tokens, or a table width past the rounded capacity):
+in a run of decode forwards the canary's checked shapes and compiled descriptors carry over, and a
+forward's host work is the requests' lengths, the token book's new tokens and two compiled calls.
+A step returned here is refilled by the next forward's build; use it within its forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcanary.engines.token_book import TokenBook
+from kvcanary.fused._core import JIT
+from kvcanary.fused.cache import njit
+from kvcanary.step import Step
+
+WIDTH_QUANTUM = 128  # table widths are rounded up to this, so a decode run keeps one shape for 128 forwards
+
+
+@njit(**JIT)
+def fill_common(q, past, book, book_rows, cu_src, tok_src, pos_src, cu, tokens, positions, exp, exp_new):  # type: ignore[no-untyped-def]
+    """The fields every group's step shares: ``cu`` (int64 ``[R + 1]``), ``tokens`` and ``positions``
+    (``[T]``) copied from the batch's own tensors; with a token book (``exp`` has rows), each row's
+    known tokens ``book[book_rows[r], :past[r] + q[r]]`` then -1 in ``exp``, and each new token's
+    expected token in ``exp_new``."""
+    r = q.shape[0]
+    for i in range(r + 1):
+        cu[i] = cu_src[i]
+    for t in range(tokens.shape[0]):
+        tokens[t] = tok_src[t]
+        positions[t] = pos_src[t]
+    if exp.shape[0] == 0:
+        return
+    width = exp.shape[1]
+    t = 0
+    for row in range(r):
+        upto = min(past[row] + q[row], width)
+        src = book[book_rows[row]]
+        for p in range(upto):
+            exp[row, p] = src[p]
+        for p in range(upto, width):
+            exp[row, p] = -1
+        for j in range(q[row]):
+            pos = past[row] + j
+            exp_new[t] = exp[row, pos] if pos < width else -1
+            t += 1
+
+
+@njit(**JIT)
+def fill_group(read, cu_k, q, past, write, stride, tpp, trash, table, starts, wslot):  # type: ignore[no-untyped-def]
+    """One group's slot table (int64 ``[R + 1, width + 1]``; row ``R`` and column ``width`` are
+    scratch), read starts and new tokens' slots, from its read index (row ``r``'s reads at
+    ``cu_k[r] .. cu_k[r + 1]``, its cached positions first) and write index (one entry per new
+    token). Physical indices are compacted to ``(i // stride) * tpp + i % stride``; a write to the
+    trash index is padding (-1)."""
+    r = past.shape[0]
+    width = table.shape[1] - 1
+    table[:] = -1
+    nread = read.shape[0]
+    for row in range(r):
+        nc = 0
+        if nread:
+            nc = cu_k[row + 1] - cu_k[row] - q[row]
+        starts[row] = past[row] - nc
+        base = cu_k[row]
+        for j in range(nc):
+            e = base + j
+            pos = past[row] - nc + j
+            if e < nread and 0 <= pos <= width:
+                p = np.int64(read[e])
+                table[row, pos] = (p // stride) * tpp + p % stride
+    t = 0
+    for row in range(r):
+        for j in range(q[row]):
+            p = np.int64(write[t])
+            s = np.int64(-1) if p == trash else (p // stride) * tpp + p % stride
+            wslot[t] = s
+            table[row, min(past[row] + j, width)] = s
+            t += 1
+
+
+class _Shape:
+    """The buffers and steps of one forward shape."""
+
+    def __init__(self, names: list[str], r: int, total: int, width: int, tokens: bool) -> None:
+        e64 = lambda *shape: torch.empty(shape, dtype=torch.int64)  # noqa: E731
+        self.past, self.cu, self.tokens, self.positions = e64(r), e64(r + 1), e64(total), e64(total)
+        self.exp = e64(r, width) if tokens else e64(0, 0)
+        self.exp_new = e64(total if tokens else 0)
+        self.groups = {name: (e64(r + 1, width + 1), e64(r), e64(total)) for name in names}
+        self.steps = {
+            name: Step(slot_table=table, cached_lens=self.past, read_starts=starts, new_offsets=self.cu,
+                       new_tokens=self.tokens, new_positions=self.positions, new_slots=wslot,
+                       expected_tokens=self.exp if tokens else None,
+                       expected_new_tokens=self.exp_new if tokens else None)
+            for name, (table, starts, wslot) in self.groups.items()
+        }
+        # numpy views for the compiled calls
+        self.np = {k: getattr(self, k).numpy() for k in ("past", "cu", "tokens", "positions", "exp", "exp_new")}
+        self.np_groups = {name: tuple(x.numpy() for x in bufs) for name, bufs in self.groups.items()}
+
+
+class StepBuilder:
+    """Builds each forward's steps for one protection's layer groups (see the module's doc)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._shape: _Shape | None = None
+
+    def build(self, groups: dict[str, Any], book: TokenBook | None, batch: dict, reqs: list) -> dict[str, Step]:
+        r = len(reqs)
+        q = np.fromiter((fs.query_length for fs in reqs), dtype=np.int64, count=r)
+        past = np.fromiter((fs.state.position_offset for fs in reqs), dtype=np.int64, count=r) - q
+        upto = past + q
+        total = int(q.sum())
+        width = max(1, int(upto.max()))
+        cap = -(-width // WIDTH_QUANTUM) * WIDTH_QUANTUM
+        key = (id(groups), tuple(groups), r, total, cap, book is not None)
+        if key != self._key or self._shape is None:
+            self._shape, self._key = _Shape(list(groups), r, total, cap, book is not None), key
+        sh = self._shape
+        n = sh.np
+        n["past"][:] = past
+        if book is not None:
+            rows = np.asarray(book.update([fs.state for fs in reqs], upto.tolist(), cap), dtype=np.int64)
+            buf = book.buf.numpy()
+        else:
+            rows, buf = np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
+        fill_common(q, past, buf, rows, batch["cu_seq_lens_q"].numpy(), batch["input_ids"][0].numpy(),
+                    batch["position_ids"][0].numpy(), n["cu"], n["tokens"], n["positions"], n["exp"], n["exp_new"])
+        cu_k_all = batch["cu_seq_lens_k"]
+        for name, g in groups.items():
+            cu_k = cu_k_all[name] if isinstance(cu_k_all, dict) else cu_k_all
+            table, starts, wslot = sh.np_groups[name]
+            fill_group(batch["read_index"][g.index].numpy(), cu_k.numpy(), q, past,
+                       batch["write_index"][g.index].numpy(), g.stride, g.tpp, g.trash, table, starts, wslot)
+        return sh.steps

@@ -1,0 +1,107 @@
+"""The fused path's forward hooks as one compiled call each (:mod:`kvcanary.fused.forward`) leave a
+canary exactly as the per-op path does: stamps, counters, violation rows, content cursor, last
+writers, the harm ledger, guard state and the patrol walk, over random steps with corruption,
+content budgets, guard slots, padding writes and reads of slots the same step writes."""
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kvcanary import Canary, CanaryConfig
+from kvcanary.errors import KvCanaryError, StepError
+
+from factories import DEV, clone_step, corrupt, make_layout, prefill_of, random_step
+
+pytestmark = pytest.mark.skipif(DEV.type != "cpu", reason="the fused path runs on CPU pools")
+
+
+def _twins(layout, n, budget, patrol, validate=None):
+    cfg = CanaryConfig(mode="raise", backend="fused", content_budget_bytes=budget, patrol_budget_bytes=patrol,
+                       validate=validate)
+    fast, slow = Canary(n, layout, cfg), Canary(n, layout, cfg)
+    assert fast._fast is not None
+    slow._fast = None  # the per-op path: the reference here
+    return fast, slow
+
+
+def _state(c):
+    return {
+        "stamps": c.stamps.clone(), "counters": c.ring.counters.clone(), "cursor": c.cursor.clone(),
+        "rows": c.ring.rows[: min(int(c.ring.counters[1]), c.ring.rows.shape[0])].clone(),
+        "writers": c.writers.clone(), "ledger": (c.ledger.at.copy(), c.ledger.before.copy()) if c.ledger else None,
+        "guard": [t.clone() for t in (c._reserved_base, c._reserved_hit, c._reserved_was, c._reserved_got)],
+        "walk": (c.scrub_cursor, c.scrub_passes, list(c._patrol_visits), c._patrol_walked, c.forwards),
+    }
+
+
+def _same(a, b, where):
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), (where, k)
+        elif k == "ledger" and x is not None:
+            assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]), (where, k)
+        elif k == "guard":
+            assert all(torch.equal(p, q) for p, q in zip(x, y)), (where, k)
+        else:
+            assert x == y, (where, k)
+
+
+CASES = [(seed, lay, kind) for seed in range(6) for lay in ("paged", "packed", "mixed", "none")
+         for kind in ("block", "token")]
+
+
+@pytest.mark.parametrize("seed,lay,kind", CASES)
+def test_the_compiled_forward_hooks_equal_the_per_op_path(seed, lay, kind):
+    rng = random.Random(f"fused-forward-{seed}-{lay}-{kind}")
+    bs = 16 if kind == "block" else 1
+    nb = max(8, 400 // bs)
+    n = nb * bs
+    layout = make_layout(lay, nb, bs, seed)
+    if layout.sources:
+        layout = dataclasses.replace(layout, guards=(rng.randrange(n),), reserved=(n - 2,))
+    per_slot = layout.content_bytes_per_slot
+    budget = rng.choice([None, 0, 7 * per_slot or None])
+    # the random steps' tables point at -1 past the reads (the value check refuses them; the ops' parity
+    # tests take them as they are): the check's own equality is the test below
+    fast, slow = _twins(layout, n, budget, rng.choice([0, 3 * per_slot or 0]), validate=False)
+    for forward in range(4):
+        lens = [(rng.randint(20, 120), rng.randint(0, 3))] + [(rng.randint(0, 20), rng.randint(0, 30)) for _ in range(2)]
+        step, stoks = random_step(rng, n, bs, lens, kind, rng.randint(0, 2), rng.random() < 0.5, rng.choice([None, 5]))
+        pre = prefill_of(step, stoks)
+        if rng.random() < 0.3:  # some reads are of slots this step writes: the Python side finishes
+            step.written_from = step.cached_lens.long() - torch.randint(0, 8, (step.num_rows,))
+        pad = torch.tensor([rng.randrange(n), -1]) if rng.random() < 0.2 else None
+        patrol = rng.random() < 0.8
+        for c in (fast, slow):
+            c.before_forward(clone_step(pre))
+            c.after_forward(clone_step(pre), patrol=True)
+        corrupt(rng, fast.stamps, layout, step)
+        slow.stamps.copy_(fast.stamps)
+        if layout.sources and rng.random() < 0.5:  # a reserved slot's bytes change
+            raw = torch.empty(0, dtype=torch.uint8).set_(layout.sources[0].tensor.untyped_storage())
+            raw[rng.randrange(raw.numel())] ^= 1
+        for c in (fast, slow):
+            s = clone_step(step)
+            c.before_forward(s)
+            c.after_forward(s, pad, patrol=patrol)
+        _same(_state(fast), _state(slow), (forward, step.written_from is not None, pad is not None))
+        found_fast, found_slow = fast.drain(), slow.drain()
+        assert found_fast == found_slow
+
+
+def test_a_bad_step_is_refused_with_the_same_words():
+    rng = random.Random(3)
+    layout = make_layout("paged", 16, 16, 0)
+    fast, slow = _twins(layout, 256, None, 0)
+    step, _ = random_step(rng, 256, 16, [(10, 2)], "block")
+    step.new_slots[0] = 999
+    errors = []
+    for c in (fast, slow):
+        with pytest.raises(KvCanaryError) as e:
+            c.after_forward(clone_step(step))
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "new_slots" in errors[0] and isinstance(e.value, StepError)
