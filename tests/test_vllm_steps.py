@@ -187,3 +187,46 @@ def test_groups_are_planned_by_kind_and_state_groups_are_not_covered():
     assert [(p.kind, p.window, p.covered) for p in plans] == [("sliding", 64, True), ("full", None, True),
                                                                ("MambaSpec", None, False)]
     assert "not per-token KV" in (plans[2].why_not or "")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
+    """match_rows and build_step by compiled loops (kvcanary.engines.vllm_compiled) equal the torch
+    construction field for field, on random batches: prefill chunks and decodes, windows, drafts
+    (some not filled in), padding rows (no request, or none scheduled), KV another connector lands,
+    tokens the book does not hold yet."""
+    import random
+
+    rng = random.Random(seed)
+    nreq = rng.randint(1, 6)
+    table, seqs, news, reqs = [], [], [], []
+    free = list(range(1, 200))
+    rng.shuffle(free)
+    book = TokenBook()
+    for i in range(nreq):
+        computed, new = rng.randint(0, 30), rng.randint(0, 6) if rng.random() < 0.2 else rng.randint(1, 6)
+        seq = computed + new
+        table.append([free.pop() for _ in range(-(-max(seq, 1) // BS))])
+        seqs.append(seq)
+        news.append(new)
+        toks = [rng.randrange(1000) for _ in range(seq)]
+        known = rng.randint(0, seq)
+        if rng.random() < 0.8:
+            book.extend(f"r{i}", 0, toks[:known])
+        drafts = [rng.choice([rng.randrange(1000), -1]) for _ in range(rng.randint(0, new))] if rng.random() < 0.3 else []
+        landed = rng.randint(0, computed) if rng.random() < 0.2 else -1
+        if new and rng.random() < 0.85:  # else: a padding row (no request record for it)
+            reqs.append(ReqStep(f"r{i}", computed, new, first_slot(table[i], computed), computed, [], drafts=drafts,
+                                landed_from=landed))
+    md = metadata(table, seqs, news)
+    for window in (None, rng.randint(2, 12)):
+        a, b = match_rows(md, reqs, book, fused=True), match_rows(md, reqs, book, fused=False)
+        assert a.rids == b.rids and a.reqs == b.reqs and a.unknown_new == b.unknown_new
+        assert torch.equal(a.valid, b.valid) and torch.equal(a.tokens, b.tokens)
+        x, y = build_step(md, a, BS, window, fused=True), build_step(md, b, BS, window, fused=False)
+        for f in x.__dataclass_fields__:
+            u, v = getattr(x, f), getattr(y, f)
+            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+                assert u is not None and v is not None and torch.equal(u.long(), v.long()), (f, u, v)
+            else:
+                assert u == v, f

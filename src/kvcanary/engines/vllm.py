@@ -288,11 +288,12 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         for g in self.groups:
             if g.step is None:
                 continue
-            g.canary.after_forward(g.step)
+            # with this forward's share of the patrol over cold cache
+            g.canary.after_forward(g.step, patrol=not rows.unknown_new)
             if rows.unknown_new:  # a draft the scheduler had not filled in: its slot's stamp is unknown
                 s = g.step.new_slots.long()
                 g.canary.forget(s[(s >= 0) & (g.step.new_tokens < 0)])
-            g.canary.patrol()  # this forward's share of the patrol over cold cache
+                g.canary.patrol()
             group = g.name if len(self.groups) > 1 else None
             found += [dataclasses.replace(self._first_reader(g.name, v) if v.site == Site.FIRST_READ
                                           else _named(v, rows.rids), group=group) for v in g.canary.drain()]

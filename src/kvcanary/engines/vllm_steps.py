@@ -55,21 +55,27 @@ class Rows:
     unknown_new: bool  # a new token's id is not known (a draft the scheduler had not filled in)
 
 
-def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook) -> Rows:
+def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None = None) -> Rows:
     """Match the rows of the primary group's metadata ``md`` to ``reqs`` by the slot of each row's first
     new token, and lay out every row's token ids: the committed ones from ``book``, then the drafts
-    the forward writes."""
-    qsl = md.query_start_loc.long()
-    r = qsl.shape[0] - 1
-    n = int(md.num_actual_tokens)
-    seq = md.seq_lens[:r].long()
-    first = md.slot_mapping[:n].long()[qsl[:-1].clamp(max=max(n - 1, 0))].tolist() if n else [-1] * r
-    by_slot = {x.first_slot: x for x in reqs}
-    rows = [by_slot.get(s) if q > 0 else None for s, q in zip(first, (qsl[1:] - qsl[:-1]).tolist())]
-    rids = [x.req_id if x is not None else "" for x in rows]
-    upto = seq.tolist()
-    tokens = book.window([rid or "__none__" for rid in rids], [u if x is not None else 0 for u, x in zip(upto, rows)],
-                         max(upto + [1]))
+    the forward writes. On CPU metadata with the fused path available (``fused=None``: whenever it
+    is) the token window is a compiled loop (:mod:`kvcanary.engines.vllm_compiled`)."""
+    if _fused(md, fused):
+        from kvcanary.engines.vllm_compiled import rows_of
+
+        rows, rids, _, tokens = rows_of(md, reqs, book)
+    else:
+        qsl = md.query_start_loc.long()
+        r = qsl.shape[0] - 1
+        n = int(md.num_actual_tokens)
+        seq = md.seq_lens[:r].long()
+        first = md.slot_mapping[:n].long()[qsl[:-1].clamp(max=max(n - 1, 0))].tolist() if n else [-1] * r
+        by_slot = {x.first_slot: x for x in reqs}
+        rows = [by_slot.get(s) if q > 0 else None for s, q in zip(first, (qsl[1:] - qsl[:-1]).tolist())]
+        rids = [x.req_id if x is not None else "" for x in rows]
+        upto = seq.tolist()
+        tokens = book.window([rid or "__none__" for rid in rids],
+                             [u if x is not None else 0 for u, x in zip(upto, rows)], max(upto + [1]))
     unknown = False
     arr = tokens.numpy()
     for i, x in enumerate(rows):
@@ -80,6 +86,14 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook) -> Rows:
             unknown |= bool((arr[i, d0 : d0 + k] < 0).any())
     valid = torch.tensor([x is not None for x in rows], dtype=torch.bool)
     return Rows(rows, rids, valid, tokens, unknown)
+
+
+def _fused(md: Any, fused: bool | None) -> bool:
+    if fused is None:
+        from kvcanary.fused import available
+
+        fused = md.query_start_loc.device.type == "cpu" and available() is None
+    return fused
 
 
 def read_starts(cached: torch.Tensor, window: int | None) -> torch.Tensor | None:
@@ -93,10 +107,17 @@ def read_starts(cached: torch.Tensor, window: int | None) -> torch.Tensor | None
     return torch.minimum(lo, (cached - 1).clamp(min=0))
 
 
-def build_step(md: Any, rows: Rows, block_size: int, window: int | None) -> Step:
+def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: bool | None = None) -> Step:
     """One KV cache group's step of the forward, from that group's metadata ``md``: reads of the
     positions the kernel reads before the forward; reads of slots the step itself writes, and of KV
-    another connector lands this step, from ``written_from``."""
+    another connector lands this step, from ``written_from``. On CPU metadata with the fused path
+    (``fused=None``: whenever it is available) built by compiled loops."""
+    if _fused(md, fused):
+        from kvcanary.engines.vllm_compiled import step_of
+
+        landed = np.fromiter((x.landed_from if x is not None and x.landed_from >= 0 else -1 for x in rows.reqs),
+                             dtype=np.int64, count=len(rows.reqs))
+        return step_of(md, rows.tokens, rows.valid, block_size, window, landed)
     qsl = md.query_start_loc.long()
     r = qsl.shape[0] - 1
     n = int(md.num_actual_tokens)

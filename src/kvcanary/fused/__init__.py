@@ -33,10 +33,10 @@ def loops() -> dict[str, Any]:
     :func:`available` compiles or loads. Imports the compiled modules."""
     from numba.core.dispatcher import Dispatcher
 
-    from kvcanary.engines import transformers_compiled
+    from kvcanary.engines import transformers_compiled, vllm_compiled
     from kvcanary.fused import _core, _step, forward, ops, steps
 
-    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, transformers_compiled)
+    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, transformers_compiled, vllm_compiled)
             for k, v in vars(m).items()
             if isinstance(v, Dispatcher) and v.targetoptions.get("inline") != "always"
             and v.py_func.__module__ == m.__name__}
@@ -90,8 +90,14 @@ def _warm_up() -> None:
     e2 = np.zeros((0, 0), dtype=np.int64)
     fill_common(i64(1), i64(0), e2, i64(), i32(0, 1), i64(5), i64(0), i64(0, 0), i64(0), i64(0), e2, i64())
     fill_group(i64(), i32(0, 1), i64(1), i64(0), i64(0), 8, 8, -1, np.zeros((2, 2), dtype=np.int64), i64(0), i64(0))
+    from kvcanary.engines.vllm_compiled import fill_new, fill_window
     from kvcanary.fused import forward
     from kvcanary.fused._step import describe
+
+    # vLLM's metadata: int32 query starts, sequence lengths and block tables, int64 slot mapping
+    fill_window(e2, i64(-1), i64(1), np.zeros((1, 1), dtype=np.int64))
+    fill_new(i32(0, 1), i32(1), i64(0), np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.bool_), i64(0), i64(0),
+             i64(0), i64(0))
 
     d, led = describe(step), np.full(8, -1, dtype=np.int64)
     st, c, rg = stamps.data_ptr(), counters.data_ptr(), ring.data_ptr()
