@@ -16,7 +16,12 @@ patrol scrub, no first-read verification of prefix hits, no guard slots), so the
 forward is the difference of the medians of two figures from the same run
 (``priorities_us_per_forward``; ``priorities_pct`` against the run without the canary).
 
+``--model llama2048`` runs a forward realistic for CPU serving instead of the demo model: a
+Llama shape (hidden size 2048, 16 layers, 32 query and 4 KV heads of 64, MLP 5632, vocabulary
+32000; about 1.0B parameters), random weights from a fixed seed, bf16.
+
     python bench/transformers_cb.py [--repeats 5] [--device cpu|cuda] [--priorities] [--audit] [--threads N]
+                                    [--model demo|llama2048]
 """
 
 from __future__ import annotations
@@ -52,12 +57,24 @@ def prompts(n: int, prefix: int, tail: tuple[int, int], seed: int = 0) -> list[l
 def without_priorities():  # type: ignore[no-untyped-def]
     """The canary with no first-read verification and no guard slots (the patrol is off by config)."""
     saved = Protection._verify_first_reads, Canary.guard
-    Protection._verify_first_reads = lambda self, reqs, steps: None  # type: ignore[method-assign]
+    Protection._verify_first_reads = lambda self, *a: None  # type: ignore[method-assign]
     Canary.guard = lambda self: None  # type: ignore[method-assign]
     try:
         yield
     finally:
         Protection._verify_first_reads, Canary.guard = saved  # type: ignore[method-assign]
+
+
+def llama2048():  # type: ignore[no-untyped-def]
+    """A Llama-shaped model realistic for CPU serving (random weights, bf16)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
 
 
 def main() -> None:
@@ -73,12 +90,16 @@ def main() -> None:
     ap.add_argument("--audit", action="store_true",
                     help="also run the canary without its write check and read audit, alternating")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    ap.add_argument("--model", default="demo", choices=("demo", "llama2048"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.audit and args.priorities:
         ap.error("--audit and --priorities: one comparison per run")
-    model = tiny_model(seed=0, layers=args.layers, hidden=args.hidden).to(args.device)
+    if args.model == "llama2048":
+        model = llama2048().to(args.device)
+    else:
+        model = tiny_model(seed=0, layers=args.layers, hidden=args.hidden).to(args.device)
     for name in args.workloads.split(","):
         n, prefix, tail, new = WORKLOADS[name]
         ps = prompts(n, prefix, tail)
@@ -157,7 +178,8 @@ def main() -> None:
             "content_bytes_stamped": stats.get("content_bytes_stamped"),
             "violations": stats.get("violations"), "internal_errors": stats.get("internal_errors"),
             "repeats": args.repeats, "threads": torch.get_num_threads(), "backend": args.backend,
-            "model": f"llama layers={args.layers} hidden={args.hidden}", **extra,
+            "model": ("llama2048 layers=16 hidden=2048 bf16" if args.model == "llama2048"
+                      else f"llama layers={args.layers} hidden={args.hidden}"), **extra,
         }), flush=True)
 
 

@@ -19,7 +19,9 @@ from kvcanary.engines import transformers as cb
 from kvcanary.engines import transformers_hooks as cb_hooks
 from kvcanary.engines.transformers import cb_configs, protect, tiny_model
 from kvcanary.faults.transformers_cb import CbFault
+from kvcanary.engines.transformers_compiled import StepBuilder
 from kvcanary.fused import ops as fused_ops
+from kvcanary.fused.forward import ForwardArgs
 from kvcanary.violations import ViolationRing
 
 from test_transformers import _cpu_offload_shim, prompts
@@ -98,12 +100,12 @@ INTERNALS = [
     (cb.Protection, "_released"), (cb.Protection, "_offloaded_hook"),
     (cb.Protection, "_copied"), (cb.Protection, "_restored"), (cb.Protection, "_stamps_of"),
     (cb.Protection, "_before"), (cb.Protection, "_after"),
-    (token_book.TokenBook, "streams"), (token_book.TokenBook, "forget_except"),
+    (token_book.TokenBook, "update"), (token_book.TokenBook, "forget_except"), (StepBuilder, "build"),
     (cb_hooks, "to_device"), (cb_hooks, "host_io"),
-    (fused_ops, "verify"), (fused_ops, "stamp"), (fused_ops, "scrub"), (fused_ops, "validate"),
+    (ForwardArgs, "before"), (ForwardArgs, "after"), (fused_ops, "scrub"),
     (checks, "set_state"), (canary_mod.Canary, "export_stamps"), (canary_mod.Canary, "drain"),
     (ViolationRing, "drain"),
-]  # the ops of the CPU's default backend (fused); test_unknown fails the torch ones
+]  # the compiled entries of the CPU's default backend (fused); test_unknown fails the torch ones
 
 
 def _failing(orig, times):

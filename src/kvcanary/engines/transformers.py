@@ -238,17 +238,19 @@ class Protection(Adapter):
 
     def _before(self, runner: Any, batch: dict) -> dict[str, Step] | None:
         reqs = list(cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch)
-        if any(fs.state.request_id.startswith("__warmup") for fs in reqs):
+        rids = [fs.state.request_id for fs in reqs]
+        if any(rid.startswith("__warmup") for rid in rids):
             return None
         self._freed.clear()
-        fresh = {fs.state.request_id for fs in reqs if fs.state.position_offset == fs.query_length}
-        self._ensure_groups(runner.cache, fresh)
+        if self.cache is not runner.cache:
+            self._ensure_groups(runner.cache, {fs.state.request_id for fs in reqs
+                                               if fs.state.position_offset == fs.query_length})
         for hook in self.hooks:
             hook(self, runner, batch)
         steps = self.build_steps(runner, batch, reqs)
         self._padding = padding_writes(self.groups, batch, steps)
-        self._verify_first_reads(reqs, steps)
-        self.rows[self.forwards] = [fs.state.request_id for fs in reqs]
+        self._verify_first_reads(reqs, steps, rids)
+        self.rows[self.forwards] = rids
         self.harm.forward(self.forwards, {fs.state.request_id: int(bool(fs.has_new_token)) for fs in reqs})
         self.rows.pop(self.forwards - self.config.history, None)
         for name, step in steps.items():
@@ -256,11 +258,15 @@ class Protection(Adapter):
         self.audit.begin(steps, reqs, batch)
         return steps
 
-    def _verify_first_reads(self, reqs: list, steps: dict[str, Step]) -> None:
+    def _verify_first_reads(self, reqs: list, steps: dict[str, Step], rids: list[str] | None = None) -> None:
         """A request seen for the first time with KV already cached (a prefix-cache hit, a fork's
         child) reads blocks it did not write: every byte of them is verified before this forward."""
+        if rids is None:
+            rids = [fs.state.request_id for fs in reqs]
+        if self._seen.issuperset(rids):
+            return
         for i, fs in enumerate(reqs):
-            rid = fs.state.request_id
+            rid = rids[i]
             if rid in self._seen:
                 continue
             self._seen.add(rid)

@@ -115,9 +115,9 @@ def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: 
     if _fused(md, fused):
         from kvcanary.engines.vllm_compiled import step_of
 
-        landed = np.fromiter((x.landed_from if x is not None and x.landed_from >= 0 else -1 for x in rows.reqs),
-                             dtype=np.int64, count=len(rows.reqs))
-        return step_of(md, rows.tokens, rows.valid, block_size, window, landed)
+        lands = np.fromiter((x.landed_from if x is not None and x.landed_from >= 0 else -1 for x in rows.reqs),
+                            dtype=np.int64, count=len(rows.reqs))
+        return step_of(md, rows.tokens, rows.valid, block_size, window, lands)
     qsl = md.query_start_loc.long()
     r = qsl.shape[0] - 1
     n = int(md.num_actual_tokens)
