@@ -8,7 +8,10 @@ stamp, guard and patrol after, the drain), times per forward:
 
 - ``host_us``: step building plus every canary call, the compiled ops included;
 - ``ops_us``: the compiled forward entries alone (:mod:`kvcanary.fused.forward`: the data work);
-- ``build_us``, ``before_us``, ``after_us``, ``drain_us``: the stages; ``outside_ops_us`` = host - ops.
+- ``build_us``, ``before_us``, ``after_us``, ``drain_us``: the stages; ``outside_ops_us`` = host - ops;
+- ``before_MB``, ``after_MB``: the bytes the compiled loops move per forward (a stamp and a table
+  entry per read or written slot, and the content bytes fingerprinted), and ``ops_GBps`` their rate,
+  beside this core's read bandwidth (``read_bandwidth_GBps_1thread``, a torch sum over 256 MiB).
 
 Cases: 16, 64 and 256 running requests at 1K and 4K context, decode (one new token per request)
 and mixed (a quarter of the requests prefill a 256-token chunk), with metadata checks only
@@ -113,6 +116,7 @@ class Requests:
         write = np.concatenate([self.slots(i, int(self.past[i]), int(self.past[i] + self.q[i])) for i in range(self.n)])
         ids = np.concatenate([self.tokens[i, self.past[i]: self.past[i] + self.q[i]] for i in range(self.n)])
         pos = np.concatenate([np.arange(self.past[i], self.past[i] + self.q[i]) for i in range(self.n)])
+        ids, pos = ids.astype(np.int32), pos.astype(np.int32)  # as the engine's batch holds them
         t = torch.from_numpy
         batch = {"cu_seq_lens_q": t(cu_q), "cu_seq_lens_k": t(cu_k), "read_index": [t(read)], "write_index": [t(write)],
                  "input_ids": t(ids)[None], "position_ids": t(pos)[None]}
@@ -194,7 +198,10 @@ def run_case(engine: str, n: int, ctx: int, mixed: bool, metadata_only: bool, fo
         canary.after_forward(s)
     canary.drain()
     rec: dict[str, list[float]] = {k: [] for k in ("build", "before", "after", "drain", "host", "ops")}
+    per_slot = canary.layout.content_bytes_per_slot
     for i in range(forwards + 2):  # the first two warm the buffers and the caches
+        if i == 2:
+            st0 = canary.stats()
         args = fwd.prepare(reqs, False)
         Timed.spent = 0.0
         t0 = time.perf_counter()
@@ -216,11 +223,19 @@ def run_case(engine: str, n: int, ctx: int, mixed: bool, metadata_only: bool, fo
         reqs.advance()
     med = {k: round(statistics.median(v), 1) for k, v in rec.items()}
     st = canary.stats()
+    d = {k: (st[k] - st0[k]) / forwards for k in st0}
+    # bytes each stage's compiled loops move per forward: a stamp and a table entry per read or written
+    # slot, the content bytes fingerprinted (verify window; stamp, guard slots and patrol after)
+    before_b = d["slots_verified"] * 40 + d["content_bytes_verified"]
+    after_b = d["slots_stamped"] * 40 + d["content_bytes_stamped"] + d["content_bytes_scrubbed"] + \
+        d["guard_checks"] * per_slot
     out = {"engine": engine, "requests": n, "context": ctx, "kind": "mixed" if mixed else "decode",
            "checks": "metadata" if metadata_only else "default_budget",
            "read_slots": int(reqs.past.sum()), "new_tokens": int(reqs.q.sum()),
            **{f"{k}_us": v for k, v in med.items()}, "outside_ops_us": round(med["host"] - med["ops"], 1),
-           "content_slots_verified": st["content_slots_verified"], "forwards": forwards, "threads": 1}
+           "before_MB": round(before_b / 1e6, 3), "after_MB": round(after_b / 1e6, 3),
+           "ops_GBps": round((before_b + after_b) / med["ops"] / 1e3, 2) if med["ops"] else None,
+           "forwards": forwards, "threads": 1}
     return out
 
 
@@ -235,6 +250,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     Timed.install()
+    big = torch.ones(1 << 25, dtype=torch.int64)  # 256 MiB
+    big.sum()
+    t = time.perf_counter()
+    big.sum()
+    print(json.dumps({"read_bandwidth_GBps_1thread": round(big.numel() * 8 / (time.perf_counter() - t) / 1e9, 2)}))
+    del big
     for engine in args.engines.split(","):
         for n in map(int, args.requests.split(",")):
             for ctx in map(int, args.contexts.split(",")):

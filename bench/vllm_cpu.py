@@ -69,6 +69,8 @@ def line(rnd: int, mode: str, out: dict[str, Any]) -> dict[str, Any]:
         "tok_per_s": round(out["tokens_generated"] / wall, 1), "threads": out["threads"],
         "forwards": st.get("forwards"), "canary_s": round(st.get("canary_us", 0) / 1e6, 4),
         "canary_share": round(st.get("canary_us", 0) / 1e6 / wall, 4),
+        # the scheduler side's hooks (engine core, same process): outside canary_s
+        "scheduler_s": round(st.get("scheduler_us", 0) / 1e6, 4),
         "slots_verified": st.get("slots_verified", 0), "content_bytes_verified": st.get("content_bytes_verified", 0),
         "content_slots_skipped": st.get("content_slots_skipped", 0), "violations": st.get("violations", 0),
         "internal_errors": st.get("internal_errors", 0), "audit_queries": st.get("audit_queries", 0),
@@ -87,6 +89,8 @@ def summary(rows: list[dict[str, Any]], modes: list[str]) -> list[dict[str, Any]
             "tok_per_s": round(statistics.median(r["tok_per_s"] for r in mine), 1),
             "canary_s": round(statistics.median(r["canary_s"] for r in mine), 3),
             "canary_share": round(statistics.median(r["canary_share"] for r in mine), 3),
+            "scheduler_s": round(statistics.median(r["scheduler_s"] for r in mine), 3),
+            "added_s": round(med[m] - med["off"], 3),
             "slots_verified": int(statistics.median(r["slots_verified"] for r in mine)),
             "content_MiB_verified": round(statistics.median(r["content_bytes_verified"] for r in mine) / 2**20, 1),
             "violations": sum(r["violations"] + r["internal_errors"] for r in mine),

@@ -331,11 +331,11 @@ class Canary:
     def _described(self, step: Step) -> Any:
         """The fused path's descriptor of ``step``, after the checks of :meth:`_prepare` that do not
         read values (those run inside the compiled entry); both kept in the step's memo."""
+        if not isinstance(step, Step):
+            raise StepError(f"step: expected a kvcanary.step.Step, got {type(step).__name__}")
         memo = step.__dict__.get("_memo")
         if memo is not None and memo.get("prepared") is self:
             return memo["fused_desc"]
-        if not isinstance(step, Step):
-            raise StepError(f"step: expected a kvcanary.step.Step, got {type(step).__name__}")
         step.validate_shapes()
         if self._pages:
             self._check_pages(step)

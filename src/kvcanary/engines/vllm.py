@@ -369,7 +369,8 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         out["kv_cache_groups"] = len(plans) or len(self.groups)
         out["kv_cache_groups_covered"] = len(self.groups)
         out.update(self.audit.stats())
-
+        # the scheduler side's hooks (in this process: all of them where the engine runs in-process)
+        out["scheduler_us"] = int(SchedulerSide.seconds * 1e6)
         return out
 
     def recover(self) -> None:

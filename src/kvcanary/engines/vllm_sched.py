@@ -9,12 +9,37 @@ the blocks vLLM zeroes and the block copies it makes before the forward.
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvcanary.engines.vllm_steps import ReqStep
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def timed(fn: F) -> F:
+    """Count a scheduler-side hook's time in :attr:`SchedulerSide.seconds` (the process's total: the
+    worker's stats report it as ``scheduler_us`` where the scheduler runs in the same process)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SchedulerSide.seconds += time.perf_counter() - t0
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _id(block: Any) -> int:
+    """A block id from vLLM's block ids (int) or its blocks (``KVCacheBlock``)."""
+    return block if isinstance(block, int) else int(block.block_id)
 
 
 @dataclass
@@ -38,6 +63,7 @@ class SchedulerSide:
     block_size: int
     ship_blocks: bool
     _kv_cache_manager: Any
+    seconds = 0.0  # every scheduler side's hooks in this process, in all
 
     def __init__(self) -> None:
         self._reqs: dict[str, Any] = {}  # request id -> vLLM Request
@@ -46,14 +72,17 @@ class SchedulerSide:
         self._local: dict[str, int] = {}  # request id -> tokens the local prefix cache had
         self._finished: list[str] = []
 
+    @timed
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._reqs[request.request_id] = request
         self._local[request.request_id] = num_computed_tokens
         return 0, False
 
+    @timed
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._reqs[request.request_id] = request
 
+    @timed
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """The step's :class:`CanaryMeta`."""
         so = scheduler_output
@@ -65,9 +94,18 @@ class SchedulerSide:
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, rid in enumerate(cached.req_ids):
-            blocks = self._kv_cache_manager.get_block_ids(rid) if self._kv_cache_manager is not None else ()
-            self._add(meta, so, rid, cached.num_computed_tokens[i], blocks, resumed=rid in resumed)
+            self._add(meta, so, rid, cached.num_computed_tokens[i], self._blocks(rid), resumed=rid in resumed)
         return meta
+
+    def _blocks(self, rid: str) -> Any:
+        """A running request's blocks per KV cache group: vLLM's own lists of its blocks where the
+        manager exposes them (one lookup, no copy of the request's block ids each step), else its
+        block ids."""
+        m = self._kv_cache_manager
+        if m is None:
+            return ()
+        get = getattr(getattr(m, "coordinator", None), "get_blocks", None)
+        return get(rid) if get is not None else m.get_block_ids(rid)
 
     def _add(self, meta: CanaryMeta, so: Any, rid: str, computed: int, block_ids: Any, resumed: bool) -> None:
         req = self._reqs.get(rid)
@@ -86,12 +124,12 @@ class SchedulerSide:
         end = self._end.get(rid, 0)
         rollback = end if not resumed and computed < end else 0
         self._end[rid] = computed + scheduled
-        first = blocks[computed // bs] * bs + computed % bs
+        first = _id(blocks[computed // bs]) * bs + computed % bs
         local = self._local.pop(rid, computed)  # below computed: another connector lands the rest
         rs = ReqStep(rid, computed, scheduled, first, have, tokens, drafts, rollback,
                      landed_from=local if local < computed else -1, prompt_len=len(req.prompt_token_ids or []))
         if self.ship_blocks:
-            rs.blocks = list(blocks[: -(-computed // bs)])
+            rs.blocks = [_id(b) for b in blocks[: -(-computed // bs)]]
             rs.private_from = self._private_from(rs.blocks)
         meta.reqs.append(rs)
 
@@ -106,6 +144,7 @@ class SchedulerSide:
             j -= 1
         return j
 
+    @timed
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         for d in (self._reqs, self._sent, self._local, self._end):

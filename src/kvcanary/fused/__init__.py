@@ -88,7 +88,8 @@ def _warm_up() -> None:
     from kvcanary.engines.transformers_compiled import fill_common, fill_group
 
     e2 = np.zeros((0, 0), dtype=np.int64)
-    fill_common(i64(1), i64(0), e2, i64(), i32(0, 1), i64(5), i64(0), i64(0, 0), i64(0), i64(0), e2, i64())
+    # the engine's int32 query starts, input ids and positions
+    fill_common(i64(1), i64(0), e2, i64(), i32(0, 1), i32(5), i32(0), i64(0, 0), i64(0), i64(0), e2, i64())
     fill_group(i64(), i32(0, 1), i64(1), i64(0), i64(0), 8, 8, -1, np.zeros((2, 2), dtype=np.int64), i64(0), i64(0))
     from kvcanary.engines.vllm_compiled import fill_new, fill_window
     from kvcanary.fused import forward
