@@ -14,14 +14,15 @@ stamp, guard and patrol after, the drain), times per forward:
   beside this core's read bandwidth (``read_bandwidth_GBps_1thread``, a torch sum over 256 MiB).
 
 Cases: 16, 64 and 256 running requests at 1K and 4K context, decode (one new token per request)
-and mixed (a quarter of the requests prefill a 256-token chunk), with metadata checks only
+and mixed (a quarter of the requests prefill a 256-token chunk, half the context where that is
+shorter), plus the demo's shape (16 requests, ``--contexts 48``), with metadata checks only
 (``content_budget_bytes=0``, no patrol) and with the default budgets. Every request advances each
 forward, as in a decode run; the engine's own metadata for the next forward is made between the
 timed parts. The KV pool is synthetic: 4 content sources of 128 bytes a token (a layer's K and V of
 two layers), a slot per context token plus room to grow. Medians over ``--forwards``; one JSON line
 per case. Intra-op threads: 1 (``torch.set_num_threads``), the compiled loops are single-threaded.
 
-    python bench/host_cost.py [--engines transformers,vllm] [--forwards 12] [--requests 16,64,256]
+    python bench/host_cost.py [--engines transformers,vllm] [--forwards 12] [--requests 16,64,256] [--contexts 48,1024,4096]
 """
 
 from __future__ import annotations
@@ -44,7 +45,16 @@ from kvcanary.fused.forward import ForwardArgs  # noqa: E402
 from kvcanary.layout import ByteSource, KvLayout  # noqa: E402
 
 BLOCK = 16
-TARGETS_US = {(16, "demo"): 150, (256, 4096): 1000}
+
+
+def target_us(n: int, ctx: int, mixed: bool, metadata_only: bool) -> int | None:
+    """The host-time targets per forward: the demo-shaped decode forward (16 requests of a short
+    context), and 256 requests x 4K context with metadata checks."""
+    if n == 16 and ctx <= 64 and not mixed:
+        return 150
+    if n == 256 and ctx == 4096 and metadata_only:
+        return 1000
+    return None
 
 
 class Timed:
@@ -75,6 +85,11 @@ def make_canary(num_slots: int, metadata_only: bool) -> Canary:
     return Canary(num_slots, KvLayout(sources), cfg)
 
 
+def chunk(ctx: int) -> int:
+    """The prefill chunk of the mixed batches: 256 tokens, or half a shorter context."""
+    return min(256, ctx // 2)
+
+
 class Requests:
     """``n`` running requests of ``ctx`` tokens: decode, or a quarter prefilling 256-token chunks."""
 
@@ -83,7 +98,7 @@ class Requests:
         self.n, self.mixed = n, mixed
         self.q = np.ones(n, dtype=np.int64)
         if mixed:
-            self.q[: max(1, n // 4)] = 256
+            self.q[: max(1, n // 4)] = chunk(ctx)
         self.past = np.full(n, ctx, dtype=np.int64) - self.q
         per = -(-(ctx + grow) // BLOCK)  # blocks per request, with room to grow
         blocks = rng.permutation(num_slots // BLOCK)[: n * per].reshape(n, per)
@@ -181,7 +196,7 @@ class VllmForward:
 
 
 def run_case(engine: str, n: int, ctx: int, mixed: bool, metadata_only: bool, forwards: int) -> dict:
-    grow = (forwards + 4) * (256 if mixed else 1)
+    grow = (forwards + 4) * (chunk(ctx) if mixed else 1)
     num_slots = n * -(-(ctx + grow) // BLOCK) * BLOCK + BLOCK
     canary = make_canary(num_slots, metadata_only)
     reqs = Requests(n, ctx, mixed, num_slots, grow)
@@ -235,7 +250,7 @@ def run_case(engine: str, n: int, ctx: int, mixed: bool, metadata_only: bool, fo
            **{f"{k}_us": v for k, v in med.items()}, "outside_ops_us": round(med["host"] - med["ops"], 1),
            "before_MB": round(before_b / 1e6, 3), "after_MB": round(after_b / 1e6, 3),
            "ops_GBps": round((before_b + after_b) / med["ops"] / 1e3, 2) if med["ops"] else None,
-           "forwards": forwards, "threads": 1}
+           "target_us": target_us(n, ctx, mixed, metadata_only), "forwards": forwards, "threads": 1}
     return out
 
 
@@ -243,7 +258,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="transformers,vllm")
     ap.add_argument("--requests", default="16,64,256")
-    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--contexts", default="48,1024,4096")
     ap.add_argument("--kinds", default="decode,mixed")
     ap.add_argument("--checks", default="metadata,default_budget")
     ap.add_argument("--forwards", type=int, default=12)
