@@ -188,9 +188,7 @@ class VllmForward:
     def build(self, md: types.SimpleNamespace, reqs: list) -> dict:
         from kvcanary.engines.vllm_steps import build_step, match_rows
 
-        for r in reqs:
-            if r.tokens:
-                self.book.extend(r.req_id, r.start, r.tokens)
+        self.book.extend_all([(r.req_id, r.start, r.tokens) for r in reqs if r.tokens])
         rows = match_rows(md, reqs, self.book)
         return {"full": build_step(md, rows, BLOCK, None)}
 

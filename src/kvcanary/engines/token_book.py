@@ -62,6 +62,26 @@ class TokenBook:
         self._write([r] * len(tokens), list(range(start, start + len(tokens))), tokens, start + len(tokens))
         self.have[rid] = max(self.have[rid], start + len(tokens))
 
+    def extend_all(self, items: list[tuple[str, int, list[int]]]) -> None:
+        """:meth:`extend` for each ``(rid, start, tokens)``, in one write."""
+        rr: list[int] = []
+        pp: list[int] = []
+        vals: list[int] = []
+        need = 0
+        have = self.have
+        for rid, start, tokens in items:
+            r = self.row.get(rid)
+            if r is None:
+                r = self._row(rid)
+            k = len(tokens)
+            rr += [r] * k
+            pp += range(start, start + k)
+            vals += tokens
+            need = max(need, start + k)
+            if have[rid] < start + k:
+                have[rid] = start + k
+        self._write(rr, pp, vals, need)
+
     def window(self, rids: list[str], upto: list[int], width: int) -> torch.Tensor:
         """int64 ``[len(rids), width]``: request ``i``'s known tokens ``[0, upto[i])``, then -1."""
         return self._window([self._row(rid) for rid in rids], upto, width)

@@ -63,20 +63,29 @@ def fill_group(read, cu_k, q, past, write, stride, tpp, trash, table, starts, ws
     trash index is padding (-1)."""
     r = past.shape[0]
     width = table.shape[1] - 1
-    table[:] = -1
+    table[r, :] = -1
     nread = read.shape[0]
     for row in range(r):
         nc = 0
         if nread:
             nc = cu_k[row + 1] - cu_k[row] - q[row]
-        starts[row] = past[row] - nc
+        lo = past[row] - nc
+        starts[row] = lo
+        # -1 outside the positions filled below (each entry written once)
+        for pos in range(0, min(max(lo, 0), width + 1)):
+            table[row, pos] = -1
+        for pos in range(max(past[row] + q[row], 0), width + 1):
+            table[row, pos] = -1
         base = cu_k[row]
         for j in range(nc):
             e = base + j
-            pos = past[row] - nc + j
-            if e < nread and 0 <= pos <= width:
-                p = np.int64(read[e])
-                table[row, pos] = (p // stride) * tpp + p % stride
+            pos = lo + j
+            if 0 <= pos <= width:
+                if e < nread:
+                    p = np.int64(read[e])
+                    table[row, pos] = (p // stride) * tpp + p % stride
+                else:
+                    table[row, pos] = -1
     t = 0
     for row in range(r):
         for j in range(q[row]):

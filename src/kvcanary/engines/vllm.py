@@ -206,9 +206,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
             self._seen.discard(rid)
             self.heal.forget(rid)
             self.harm.forget(rid)
-        for r in meta.reqs:
-            if r.tokens:
-                self.book.extend(r.req_id, r.start, r.tokens)
+        self.book.extend_all([(r.req_id, r.start, r.tokens) for r in meta.reqs if r.tokens])
         by_layer = get_forward_context().attn_metadata
         if meta.zeroed:  # zeroed bytes: their stamps go too (a read before a write is EMPTY)
             for g in self.groups:
@@ -266,6 +264,8 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         positions its kernel reads (up to the positions this same step writes or another connector
         lands, which are checked as they are written or land)."""
         self.forget_first_reads()
+        if not set(rows.rids).difference(self._seen, ("",)):
+            return  # no request new to this worker
         for i, rid in enumerate(rows.rids):
             if not rid or rid in self._seen:
                 continue

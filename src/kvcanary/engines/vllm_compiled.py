@@ -86,10 +86,10 @@ def step_of(md: Any, tokens: torch.Tensor, valid: torch.Tensor, block_size: int,
     new_tokens, new_positions, new_slots = (torch.empty(n, dtype=torch.int64) for _ in range(3))
     fill_new(qsl.numpy(), md.seq_lens.numpy(), md.slot_mapping.numpy(), tokens.numpy(), valid.numpy(),
              cached.numpy(), new_tokens.numpy(), new_positions.numpy(), new_slots.numpy())
+    wf = torch.empty(r, dtype=torch.int64)
     step = Step(cached_lens=cached, new_offsets=qsl[: r + 1], new_tokens=new_tokens, new_positions=new_positions,
                 new_slots=new_slots, block_table=md.block_table[:r], block_size=block_size, row_valid=valid,
-                expected_tokens=tokens, read_starts=read_starts(cached, window))
-    wf = written_from(step)
+                expected_tokens=tokens, read_starts=read_starts(cached, window), written_from=wf)
+    written_from(step, wf)  # in place: the step's checked shapes and descriptor carry over to the canary
     np.minimum(wf.numpy(), np.where(landed >= 0, landed, cached.numpy()), out=wf.numpy())
-    step.written_from = wf
     return step

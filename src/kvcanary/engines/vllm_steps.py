@@ -78,13 +78,12 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
                              [u if x is not None else 0 for u, x in zip(upto, rows)], max(upto + [1]))
     unknown = False
     arr = tokens.numpy()
-    for i, x in enumerate(rows):
-        if x is not None and x.drafts:
-            d0 = x.computed + x.scheduled - len(x.drafts)
-            k = max(0, min(len(x.drafts), arr.shape[1] - d0))
-            arr[i, d0 : d0 + k] = np.asarray(x.drafts[:k], dtype=np.int64)
-            unknown |= bool((arr[i, d0 : d0 + k] < 0).any())
-    valid = torch.tensor([x is not None for x in rows], dtype=torch.bool)
+    for i, x in [(i, x) for i, x in enumerate(rows) if x is not None and x.drafts]:
+        d0 = x.computed + x.scheduled - len(x.drafts)
+        k = max(0, min(len(x.drafts), arr.shape[1] - d0))
+        arr[i, d0 : d0 + k] = np.asarray(x.drafts[:k], dtype=np.int64)
+        unknown |= bool((arr[i, d0 : d0 + k] < 0).any())
+    valid = torch.from_numpy(np.fromiter((x is not None for x in rows), dtype=np.bool_, count=len(rows)))
     return Rows(rows, rids, valid, tokens, unknown)
 
 

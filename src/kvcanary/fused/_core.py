@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kvcanary import hashing
@@ -53,6 +54,24 @@ def st_i64(typingctx, addr, value):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
 
     return types.void(types.int64, types.int64), codegen
+
+
+@intrinsic
+def prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
+    """Hint the cache line at ``addr`` into the caches (a read; no fault on any address)."""
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        # the intrinsic's name carries its pointer type: p0 (opaque pointers) or p0i8 (typed)
+        name = "llvm.prefetch.p0" if str(i8p) == "ptr" else "llvm.prefetch.p0i8"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            name)
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(types.int64), codegen
 
 
 @njit(inline="always", **JIT)

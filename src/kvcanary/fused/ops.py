@@ -14,10 +14,11 @@ import torch
 
 from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UNKNOWN_POS
 from kvcanary.errors import KvCanaryError
-from kvcanary.fused._core import JIT, SEED, SourceTable, fold_slot, g_term, ld_i32, ld_i64, link_next, st_i64
+from kvcanary.fused._core import (JIT, SEED, SourceTable, fold_slot, g_term, ld, ld_i32, ld_i64, link_next, prefetch,
+                                  st_i64)
 from kvcanary.fused._step import (CL, ENP, ENT, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
                                   describe, lookup, rd, rd2, record, start, table_row, valid)
-from kvcanary.fused._step import TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
+from kvcanary.fused._step import _LIM, TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
 from kvcanary.fused.cache import njit
 from kvcanary.step import Step
 from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS, Check, Counter, Site
@@ -54,6 +55,21 @@ def _range(d, r, part):  # type: ignore[no-untyped-def]
     return lo, max(hi, lo)
 
 
+_AHEAD, _AHEAD_BLOCKS = 16, 2  # how far ahead verify fetches stamps: slots (slot tables), blocks
+
+
+@njit(inline="always", **JIT)
+def _fetch_block(stamps, num_slots, row, tesz, tcs, col, span, bs, lim):  # type: ignore[no-untyped-def]
+    """Fetch the stamps of block column ``col`` of a block table row early (up to 1 KiB of them: the
+    hardware carries a longer run on)."""
+    if col * bs < span:
+        e = ld(row, tesz, col * tcs)
+        if 0 <= e <= lim and e * bs < num_slots:
+            first = stamps + 32 * e * bs
+            for a in range(0, min(32 * bs, 1024), 64):
+                prefetch(first + a)
+
+
 @njit(**JIT)
 def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slots, ring, cap, bps, part, led_at,  # type: ignore[no-untyped-def]
             led_before, forward):
@@ -76,14 +92,49 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
     has_et = d[ET] != 0
     et_w = d[ET + 5]
     mark = led_at.shape[0] > 0 and content_slots > 0 and n > 0
+    # the table's and expected tokens' descriptors in locals: the loop stores through raw addresses,
+    # which the compiler cannot tell apart from the descriptor, so it would load these again per slot
+    tab, tesz, trs, tcs = d[TAB], d[TAB + 1], d[TAB + 2], d[TAB + 3]
+    et, eesz, ers, ecs = d[ET], d[ET + 1], d[ET + 2], d[ET + 3]
+    span, is_block, bs = d[SPAN], d[IS_BLOCK] != 0, d[BSIZE]
+    lim = _LIM // bs
     e = 0
     nlinked = nreadable = nunknown = nsel = 0
     for r in range(nrows):
         lo, hi = _range(d, r, part)
         bad_p = unknown_p = False
         link_p = slot_p = np.int64(0)
+        t = table_row(d, r)
+        row = tab + t * trs * tesz
+        et_row = et + r * ers * eesz
+        col = np.int64(-1)  # the block column of ``pos`` (-1: not reached yet), ``off`` its offset in it
+        off = np.int64(0)
+        entry = np.int64(0)
         for pos in range(lo, hi):
-            slot = lookup(d, r, pos)
+            # lookup(d, r, pos): positions are consecutive, so the block column and offset move with
+            # them (no division per slot); the stamps a few slots or blocks ahead are fetched early
+            # (blocks lie anywhere in the pool: each one's first stamp would be a wait on memory)
+            slot = np.int64(-1)
+            if t >= 0 and 0 <= pos < span:
+                if not is_block:
+                    slot = ld(row, tesz, pos * tcs)
+                    if pos + _AHEAD < hi and pos + _AHEAD < span:
+                        ahead = ld(row, tesz, (pos + _AHEAD) * tcs)
+                        if 0 <= ahead < num_slots:
+                            prefetch(stamps + 32 * ahead)
+                else:
+                    if col < 0 or off == bs:
+                        if col < 0:
+                            col = pos // bs
+                            off = pos - col * bs
+                        else:
+                            col += 1
+                            off = 0  # type: ignore[assignment]
+                        entry = ld(row, tesz, col * tcs)
+                        _fetch_block(stamps, num_slots, row, tesz, tcs, col + _AHEAD_BLOCKS, span, bs, lim)
+                    if -lim <= entry <= lim:
+                        slot = entry * bs + off
+                    off += 1
             bad = slot < 0 or slot >= num_slots
             sa = stamps + 32 * (0 if bad else slot)
             s_tok, s_pos, s_link, s_cont = ld_i64(sa), ld_i64(sa + 8), ld_i64(sa + 16), ld_i64(sa + 24)
@@ -107,7 +158,7 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
             exp_tok = -1
             if has_et:
                 if pos < et_w:
-                    exp_tok = rd2(d, ET, r, pos)
+                    exp_tok = ld(et_row, eesz, pos * ecs)
                 if readable and exp_tok != -1 and s_tok != exp_tok:
                     checks |= _C_TOK
             if mark and (e - cur) % n < k and not bad:
@@ -124,7 +175,7 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
             nlinked += linked
             nreadable += readable
             nunknown += unknown
-            bad_p, unknown_p, link_p, slot_p = bad, unknown, s_link, slot
+            bad_p, unknown_p, link_p, slot_p = bad, unknown, s_link, slot  # type: ignore[assignment]
             e += 1
     if has_content:
         bump(counters, _K_CSLOTS, nsel)

@@ -50,12 +50,14 @@ def _written_from(d, out):  # type: ignore[no-untyped-def]
         out[r] = first
 
 
-def written_from(step: Step) -> torch.Tensor:
+def written_from(step: Step, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`kvcanary.engines.base.written_from` on a CPU step: per row, the first position of its
     read window whose slot this step writes (``cached_len`` if none), by one pass over each row's table
-    entries against the sorted written slots."""
+    entries against the sorted written slots. ``out``: int64 ``[R]`` to fill (it may be the step's own
+    ``written_from``, which the pass does not read: the step's checked shapes and descriptor stay)."""
     step.validate_shapes()
-    out = torch.empty(step.num_rows, dtype=torch.int64)
+    if out is None:
+        out = torch.empty(step.num_rows, dtype=torch.int64)
     _written_from(describe(step), out.numpy())
     return out
 
