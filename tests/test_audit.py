@@ -275,3 +275,19 @@ def test_the_compiled_audit_equals_the_torch_reference(arch, dtype):
     assert sorted(map(key, f.violations)) == sorted(map(key, t.violations))
     assert f.violations or dtype == torch.bfloat16  # bf16's tolerance may hide this tiny model's fault
     assert f.stats()["write_slots_checked"] == t.stats()["write_slots_checked"] > 0
+
+
+@pytest.mark.parametrize("backend", ["fused", "torch"])
+def test_metadata_only_checks_audit_every_forward_without_an_internal_error(backend):
+    """content="none" leaves the canary without a content layout; the write check's token budget
+    comes from the engine's own cache rows, so the audit runs on every forward as with content."""
+    model = tiny_model(seed=0, layers=2)
+    ps = prompts(8, seed=4)
+    gen, cb = cb_configs(max_new_tokens=8)
+    cfg = CanaryConfig(mode="raise", content="none", audit_every=1, backend=backend)
+    with torch.inference_mode(), protect(model, cfg) as g:
+        model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb)
+    st = g.stats()
+    assert st["internal_errors"] == 0 and st["violations"] == 0
+    assert st["content_bytes_verified"] == 0 and st["slots_verified"] > 0
+    assert st["write_slots_checked"] > 0 and st["audit_queries"] > 0

@@ -46,6 +46,17 @@ def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, cfg):
         assert st["slots_verified_after_write"] > 0
 
 
+def test_metadata_only_checks_every_forward_with_the_audit_on(tiny_llama):
+    """KVCANARY_CONTENT=none (no content fingerprints): every forward is verified, stamped and
+    audited without an internal error (the write check's token budget comes from the engine's own
+    cache rows, not from a content layout, which this mode has none of)."""
+    run = engine(tiny_llama, canary=True, env={"KVCANARY_CONTENT": "none", "KVCANARY_AUDIT_EVERY": "1"})
+    st = run["stats"]
+    assert run["violations"] == [] and st["internal_errors"] == 0
+    assert st["forwards"] > 0 and st["slots_verified"] > 0 and st["slots_stamped"] > 0
+    assert st["content_bytes_verified"] == 0 and st["write_slots_checked"] > 0 and st["audit_queries"] > 0
+
+
 # The injected faults (kvcanary.faults.vllm) run once each in test_selftest.py, through the selftest:
 # detected in time by the right checks, with the request they hurt and the slot they hit.
 

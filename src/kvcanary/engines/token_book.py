@@ -8,6 +8,9 @@ import numpy as np
 import torch
 
 
+_RUN = 16  # a request's new tokens from this many on are written as one slice (a prompt, a prefill chunk)
+
+
 class TokenBook:
     """Every live request's real token stream, in one growing ``[rows, capacity]`` tensor (-1 pad).
 
@@ -33,6 +36,7 @@ class TokenBook:
         vals: list[int] = []
         rr: list[int] = []
         pp: list[int] = []
+        runs: list[tuple[int, int, list[int]]] = []  # (row, start, tokens) of a prompt or a long run
         row_of, have = self.row, self.have
         for st, u in zip(states, upto):
             rid = st.request_id
@@ -48,12 +52,16 @@ class TokenBook:
                 else:
                     new = init[h:u] + st.generated_tokens[: max(0, u - n0)]
                 k = len(new)
-                vals += new
-                rr += [r] * k
-                pp += range(h, h + k)
+                if k >= _RUN:
+                    runs.append((r, h, new))
+                else:
+                    vals += new
+                    rr += [r] * k
+                    pp += range(h, h + k)
                 have[rid] = h + k
             rows.append(r)
         self._write(rr, pp, vals, max(upto + [width]))
+        self._write_runs(runs)
         return rows
 
     def extend(self, rid: str, start: int, tokens: list[int]) -> None:
@@ -69,18 +77,23 @@ class TokenBook:
         vals: list[int] = []
         need = 0
         have = self.have
+        runs: list[tuple[int, int, list[int]]] = []
         for rid, start, tokens in items:
             r = self.row.get(rid)
             if r is None:
                 r = self._row(rid)
             k = len(tokens)
-            rr += [r] * k
-            pp += range(start, start + k)
-            vals += tokens
+            if k >= _RUN:
+                runs.append((r, start, tokens))
+            else:
+                rr += [r] * k
+                pp += range(start, start + k)
+                vals += tokens
             need = max(need, start + k)
             if have[rid] < start + k:
                 have[rid] = start + k
         self._write(rr, pp, vals, need)
+        self._write_runs(runs)
 
     def window(self, rids: list[str], upto: list[int], width: int) -> torch.Tensor:
         """int64 ``[len(rids), width]``: request ``i``'s known tokens ``[0, upto[i])``, then -1."""
@@ -100,6 +113,14 @@ class TokenBook:
             self.buf = grown
         if vals:  # numpy indexing: a few microseconds where torch ops on small lists cost tens
             self.buf.numpy()[rr, pp] = vals
+
+    def _write_runs(self, runs: list[tuple[int, int, list[int]]]) -> None:
+        """Each run's tokens into its row with one slice assignment (the buffer is already wide
+        enough: :meth:`_write` grew it)."""
+        if runs:
+            b = self.buf.numpy()
+            for r, start, tokens in runs:
+                b[r, start : start + len(tokens)] = tokens
 
     def _window(self, rows: list[int], upto: list[int], width: int) -> torch.Tensor:
         if width > self.buf.shape[1]:

@@ -89,7 +89,10 @@ class CbAudit:
         if groups:
             self._dev = next(iter(groups.values())).canary.device
             budget = self.prot.config.budget_for(self._dev.type)
-            row = max(g.canary.layout.sources[0].row_bytes * 2 for g in groups.values())
+            # a token's K and V rows in the engine's cache ([tokens, 2, kv heads, head size]), whatever
+            # the canary's content layout reads (none with content="none")
+            row = max(2 * t.shape[2] * t.shape[3] * t.element_size()
+                      for t in (g.allocator.cache_tensor for g in groups.values()))
             # tokens whose K and V rows of every layer fit the content budget
             self._budget = None if budget is None else budget // (row * max(1, len(self._order)))
 

@@ -115,6 +115,7 @@ class VllmAudit:
         self.fa: ForwardAudit | None = None
         self.groups: dict[str, Any] = {}  # layer name -> its _Group
         self.isa: dict[str, str] = {}
+        self.token_bytes: dict[str, int] = {}  # layer -> a token's K and V bytes in its cache
         self.plans: dict[int, LayerPlan] = {}  # by the layer's index
         self.write_tokens: tuple[np.ndarray, torch.Tensor] | None = None
         self._views: dict[tuple[int, str], tuple[Callable[..., Any], ...]] = {}
@@ -139,6 +140,9 @@ class VllmAudit:
                     found = re.search(r"layers\.(\d+)\.", name)
                     self.index[name] = int(found.group(1)) if found else len(self.index)
                     self.isa[name] = isa_of(kv_caches[name])
+                    # a token's K and V bytes in this layer's cache (its tensor holds every slot of the group)
+                    kv = kv_caches[name]
+                    self.token_bytes[name] = kv.numel() * kv.element_size() // max(1, g.canary.num_slots)
                     REGISTRY[name] = self
 
     def begin(self, live: list[Any], rows: Any) -> None:
@@ -175,7 +179,9 @@ class VllmAudit:
             n = total
             budget = self.conn.config.budget_for("cpu")
             if budget is not None:
-                row = max(g.canary.layout.sources[0].row_bytes * 2 for g in live if g.canary.layout.sources)
+                # the engine's own K and V bytes per token (the canary's content layout reads none
+                # with content="none")
+                row = max([self.token_bytes.get(name, 0) for name in layers] + [1])
                 n = min(total, max(1, budget // (row * max(1, len(layers)))))
             toks = (self._wturn + np.arange(n)) % total
             self._wturn = int((self._wturn + n) % total)
