@@ -10,6 +10,7 @@ its step reads from ``cached - window + 1`` (vLLM frees and hands out again the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,10 +90,15 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
 
 def _fused(md: Any, fused: bool | None) -> bool:
     if fused is None:
-        from kvcanary.fused import available
-
-        fused = md.query_start_loc.device.type == "cpu" and available() is None
+        fused = md.query_start_loc.is_cpu and _fused_available()
     return fused
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_available() -> bool:
+    from kvcanary.fused import available
+
+    return available() is None
 
 
 def read_starts(cached: torch.Tensor, window: int | None) -> torch.Tensor | None:
