@@ -22,6 +22,7 @@ from kvcanary.fused._core import JIT
 from kvcanary.fused.cache import njit
 from kvcanary.step import Step
 
+_EMPTY1, _EMPTY2 = np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
 WIDTH_QUANTUM = 128  # table widths are rounded up to this, so a decode run keeps one shape for 128 forwards
 
 
@@ -114,6 +115,7 @@ class _Shape:
         }
         # numpy views for the compiled calls
         self.np = {k: getattr(self, k).numpy() for k in ("past", "cu", "tokens", "positions", "exp", "exp_new")}
+        self.q = np.empty(r, dtype=np.int64)  # each request's new tokens (host only)
         self.np_groups = {name: tuple(x.numpy() for x in bufs) for name, bufs in self.groups.items()}
 
 
@@ -125,26 +127,31 @@ class StepBuilder:
         self._shape: _Shape | None = None
 
     def build(self, groups: dict[str, Any], book: TokenBook | None, batch: dict, reqs: list) -> dict[str, Step]:
+        # the requests' lengths as Python ints first: right after an engine's forward each numpy or
+        # torch call costs tens of microseconds (cold caches), a builtin on a short list a few
+        q_list = [fs.query_length for fs in reqs]
+        states = [fs.state for fs in reqs]
+        upto_list = [st.position_offset for st in states]
         r = len(reqs)
-        q = np.fromiter((fs.query_length for fs in reqs), dtype=np.int64, count=r)
-        past = np.fromiter((fs.state.position_offset for fs in reqs), dtype=np.int64, count=r) - q
-        upto = past + q
-        total = int(q.sum())
-        width = max(1, int(upto.max()))
+        total = sum(q_list)
+        width = max(1, max(upto_list))
         cap = -(-width // WIDTH_QUANTUM) * WIDTH_QUANTUM
         key = (id(groups), tuple(groups), r, total, cap, book is not None)
         if key != self._key or self._shape is None:
             self._shape, self._key = _Shape(list(groups), r, total, cap, book is not None), key
         sh = self._shape
         n = sh.np
-        n["past"][:] = past
+        q, past = sh.q, n["past"]
+        q[:] = q_list
+        past[:] = upto_list
+        past -= q
         if book is not None:
-            rows = np.asarray(book.update([fs.state for fs in reqs], upto.tolist(), cap), dtype=np.int64)
+            rows = np.array(book.update(states, upto_list, cap), dtype=np.int64)
             buf = book.buf.numpy()
         else:
-            rows, buf = np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
-        fill_common(q, past, buf, rows, batch["cu_seq_lens_q"].numpy(), batch["input_ids"][0].numpy(),
-                    batch["position_ids"][0].numpy(), n["cu"], n["tokens"], n["positions"], n["exp"], n["exp_new"])
+            rows, buf = _EMPTY1, _EMPTY2
+        fill_common(q, past, buf, rows, batch["cu_seq_lens_q"].numpy(), batch["input_ids"].numpy()[0],
+                    batch["position_ids"].numpy()[0], n["cu"], n["tokens"], n["positions"], n["exp"], n["exp_new"])
         cu_k_all = batch["cu_seq_lens_k"]
         for name, g in groups.items():
             cu_k = cu_k_all[name] if isinstance(cu_k_all, dict) else cu_k_all
