@@ -284,13 +284,7 @@ class Canary:
     # ---- the forward path ---------------------------------------------------------------------
 
     def _prepare(self, step: Step) -> None:
-        if not isinstance(step, Step):
-            raise StepError(f"step: expected a kvcanary.step.Step, got {type(step).__name__}")
-        step.validate_shapes()
-        if self._pages:
-            self._check_pages(step)
-        if step.cached_lens.device != self.device:
-            raise UnsupportedError(f"step tensors on {step.cached_lens.device}, the canary's pool on {self.device}")
+        self._check_step(step)
         if self.validate:
             if self.backend == "fused":  # one compiled pass over the rows: cheaper than telling it is unchanged
                 from kvcanary.fused.ops import validate
@@ -298,6 +292,16 @@ class Canary:
                 validate(step, self.num_slots)
             else:
                 step.validate_once(self.num_slots)  # again whenever a tensor of the step changed in place
+
+    def _check_step(self, step: Step) -> None:
+        """The checks of a step that read no values: its kind, shapes, page size and device."""
+        if not isinstance(step, Step):
+            raise StepError(f"step: expected a kvcanary.step.Step, got {type(step).__name__}")
+        step.validate_shapes()
+        if self._pages:
+            self._check_pages(step)
+        if step.cached_lens.device != self.device:
+            raise UnsupportedError(f"step tensors on {step.cached_lens.device}, the canary's pool on {self.device}")
 
     def _check_pages(self, step: Step) -> None:
         """A block table step's ``block_size`` must be the layout's page size: slot ``b * block_size
@@ -334,16 +338,11 @@ class Canary:
     def _described(self, step: Step) -> Any:
         """The fused path's descriptor of ``step``, after the checks of :meth:`_prepare` that do not
         read values (those run inside the compiled entry); both kept in the step's memo."""
-        if not isinstance(step, Step):
-            raise StepError(f"step: expected a kvcanary.step.Step, got {type(step).__name__}")
-        memo = step.__dict__.get("_memo")
-        if memo is not None and memo.get("prepared") is self:
-            return memo["fused_desc"]
-        step.validate_shapes()
-        if self._pages:
-            self._check_pages(step)
-        if step.cached_lens.device != self.device:
-            raise UnsupportedError(f"step tensors on {step.cached_lens.device}, the canary's pool on {self.device}")
+        if isinstance(step, Step):
+            memo = step.__dict__.get("_memo")
+            if memo is not None and memo.get("prepared") is self:
+                return memo["fused_desc"]
+        self._check_step(step)
         from kvcanary.fused._step import describe
 
         d = describe(step)

@@ -66,9 +66,7 @@ class TokenBook:
 
     def extend(self, rid: str, start: int, tokens: list[int]) -> None:
         """Request ``rid``'s tokens from position ``start`` on (a stream's known tokens only grow)."""
-        r = self._row(rid)
-        self._write([r] * len(tokens), list(range(start, start + len(tokens))), tokens, start + len(tokens))
-        self.have[rid] = max(self.have[rid], start + len(tokens))
+        self.extend_all([(rid, start, tokens)])
 
     def extend_all(self, items: list[tuple[str, int, list[int]]]) -> None:
         """:meth:`extend` for each ``(rid, start, tokens)``, in one write."""

@@ -51,9 +51,9 @@ def fill_new(qsl, seq, slot_mapping, tokens, valid, cached, new_tokens, new_posi
             new_slots[t] = slot_mapping[t] if valid[row] else -1
 
 
-def rows_of(md: Any, reqs: list, book: Any) -> tuple[list, list[str], np.ndarray, torch.Tensor]:
+def rows_of(md: Any, reqs: list, book: Any) -> tuple[list, list[str], torch.Tensor]:
     """:func:`~kvcanary.engines.vllm_steps.match_rows`' matching and token window: each row's request
-    record (None: padding), id, length after the step, and token streams ``[R, width]``."""
+    record (None: padding), id, and token streams ``[R, width]``."""
     qsl = md.query_start_loc.numpy()
     r = qsl.shape[0] - 1
     n = int(md.num_actual_tokens)
@@ -69,7 +69,7 @@ def rows_of(md: Any, reqs: list, book: Any) -> tuple[list, list[str], np.ndarray
     width = max(int(seq.max()) if r else 1, 1)
     tokens = torch.empty((r, width), dtype=torch.int64)
     fill_window(book.buf.numpy(), book_rows, seq, tokens.numpy())
-    return rows, rids, seq, tokens
+    return rows, rids, tokens
 
 
 def step_of(md: Any, tokens: torch.Tensor, valid: torch.Tensor, block_size: int, window: int | None,

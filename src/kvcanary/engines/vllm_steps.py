@@ -64,7 +64,7 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
     if _fused(md, fused):
         from kvcanary.engines.vllm_compiled import rows_of
 
-        rows, rids, _, tokens = rows_of(md, reqs, book)
+        rows, rids, tokens = rows_of(md, reqs, book)
     else:
         qsl = md.query_start_loc.long()
         r = qsl.shape[0] - 1
