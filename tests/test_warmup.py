@@ -74,3 +74,19 @@ def test_the_cache_dir_is_per_numba_and_python_version_and_overridable():
     assert cache.directory({"XDG_CACHE_HOME": "/x"}) == want
     assert cache.directory({"XDG_CACHE_HOME": "/x", "KVCANARY_CACHE_DIR": "/y/z"}) == "/y/z"
     assert cache.directory({}).startswith(os.path.join(os.path.expanduser("~"), ".cache", "kvcanary", "numba-"))
+
+
+def test_loops_are_cached_per_digest_of_their_sources_and_of_the_modules_whose_values_they_inline():
+    # numba checks a cached loop only against its own file's time stamp: a descriptor offset changed
+    # in kvcanary.fused._step, or a counter number in kvcanary.violations, must not load old code
+    where = cache.loops_directory()
+    assert where is not None and os.path.basename(where) == "loops-" + cache.sources_digest()[:16]
+    assert os.path.dirname(where) == cache.usable_directory()
+    from kvcanary.fused import ops
+
+    assert ops._verify.stats.cache_path.startswith(where + os.sep)
+    import kvcanary
+    root = os.path.dirname(kvcanary.__file__)
+    for module in ("step", "checks", "violations", "hashing"):
+        assert f"{module}.py" in cache._INLINED and os.path.exists(os.path.join(root, f"{module}.py"))
+    assert all(os.path.exists(os.path.join(root, name)) for name in cache._INLINED)

@@ -19,9 +19,11 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -29,6 +31,7 @@ ENV_VAR = "KVCANARY_CACHE_DIR"
 MARKER = "kvcanary-warm"  # in the directory: what the last complete warm-up compiled from
 log = logging.getLogger("kvcanary")
 _lock = threading.Lock()
+_PRUNE_AFTER_S = 7 * 24 * 3600
 _usable: list[str | None] = []  # memo of usable_directory(): one check and one warning per process
 
 
@@ -99,21 +102,39 @@ def njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     import numba
 
     def deco(fn: Callable[..., Any]) -> Any:
-        with _numba_cache_dir(usable_directory() if options.get("cache") else None):
+        with _numba_cache_dir(loops_directory() if options.get("cache") else None):
             return numba.njit(**options)(fn)
 
     return deco
 
 
+# modules outside the fused package whose values the loops inline as constants (the hashing
+# constants, sentinel positions, counter and check numbers, slot limits) or that hold loops
+_INLINED = ("hashing.py", "step.py", "checks.py", "violations.py", "audit.py", "engines/transformers_compiled.py",
+            "engines/vllm_compiled.py")
+_digest: list[str] = []
+
+
 def sources_digest() -> str:
-    """A digest of what the compiled loops are made from: the fused package's sources, the
-    hashing constants they inline, numba's and Python's versions, and where the sources are
-    (numba keys its cache files by the sources' directory too)."""
-    here = Path(__file__).parent
-    h = hashlib.sha256(f"{numba_version()} {sys.version} {here.resolve()}".encode())
-    for p in sorted(here.glob("*.py")) + [here.parent / "hashing.py"]:
-        h.update(p.name.encode() + p.read_bytes())
-    return h.hexdigest()
+    """A digest of what the compiled loops are made from: the fused package's sources, the modules
+    whose values they inline (:data:`_INLINED`), numba's and Python's versions, and where the
+    sources are (numba keys its cache files by the sources' directory too). Once per process."""
+    if not _digest:
+        here = Path(__file__).parent
+        h = hashlib.sha256(f"{numba_version()} {sys.version} {here.resolve()}".encode())
+        for p in sorted(here.glob("*.py")) + [here.parent / name for name in _INLINED]:
+            h.update(p.name.encode() + p.read_bytes())
+        _digest.append(h.hexdigest())
+    return _digest[0]
+
+
+def loops_directory() -> str | None:
+    """Where numba caches the loops: a subdirectory of :func:`usable_directory` named by
+    :func:`sources_digest` (``None`` where that is not writable). numba checks a cached loop only
+    against its own source file's time stamp, so a changed constant in a module the loop imports
+    (a descriptor's field offset) would load stale machine code; a new digest starts afresh."""
+    base = usable_directory()
+    return None if base is None else os.path.join(base, "loops-" + sources_digest()[:16])
 
 
 def is_warm() -> bool:
@@ -131,3 +152,10 @@ def mark_warm() -> None:
     if path is not None:
         with contextlib.suppress(OSError):
             (Path(path) / MARKER).write_text(sources_digest() + "\n")
+        # loops compiled from other sources and unchanged for a week (another checkout may still
+        # be using a recent one: it would only compile again)
+        current, stale = loops_directory(), time.time() - _PRUNE_AFTER_S
+        for old in Path(path).glob("loops-*"):
+            with contextlib.suppress(OSError):
+                if str(old) != current and old.stat().st_mtime < stale:
+                    shutil.rmtree(old, ignore_errors=True)
