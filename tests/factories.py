@@ -33,8 +33,11 @@ def random_step(
     pad_rows: int = 0,
     pad_tokens: bool = False,
     window: int | None = None,
+    book: bool = False,
 ) -> tuple[Step, list[list[int]]]:
     """A step whose rows have ``(cached, new)`` lengths; slots are distinct blocks drawn at random.
+    With ``book`` the expected tokens are rows of a wider token record, in shuffled order among
+    rows of other requests, with tokens of later positions past each row's own (``expected_rows``).
 
     Returns the step and each row's token stream (cached + new).
     """
@@ -61,6 +64,16 @@ def random_step(
     for r, seq in enumerate(stoks):
         exp[r, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
     cached = torch.tensor([c for c, _ in lens] + [rng.randrange(5) for _ in range(pad_rows)])
+    erows = None
+    if book:
+        n = rows + rng.randint(1, 4)
+        erows = torch.tensor(rng.sample(range(n), rows))
+        rec = torch.randint(0, 1 << 16, (n, width + rng.randint(0, 9)), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        for r, seq in enumerate(stoks):
+            rec[erows[r], : len(seq)] = exp[r, : len(seq)]
+        for r in range(len(stoks), rows):  # padding rows: a request's record all the same
+            rec[erows[r]] = -1
+        exp = rec
     kw: dict = {"block_table": tab, "block_size": block_size}
     if kind == "token":
         pos = torch.arange(tab.shape[1] * block_size)
@@ -73,6 +86,7 @@ def random_step(
         new_slots=torch.tensor(slots, dtype=torch.int64),
         row_valid=torch.arange(rows) < len(lens),
         expected_tokens=exp,
+        expected_rows=erows,
         # the write-input stream: mostly right, some unknown (-1), a few wrong
         expected_new_tokens=torch.tensor([rng.choice([t] * 8 + [-1, t + 1]) for t in toks], dtype=torch.int64),
         read_starts=None if window is None else (cached - window).clamp_min(0),

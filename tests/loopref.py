@@ -69,7 +69,7 @@ def verify(stamps: torch.Tensor, layout: KvLayout, step: Step, content: set[int]
             if checkable and h.signed(h.py_link(prev, tok, pos)) != link:
                 c |= Check.LINK
             if step.expected_tokens is not None and p < step.expected_tokens.shape[1]:
-                et = int(step.expected_tokens[r, p])
+                et = int(step.expected_tokens[r if step.expected_rows is None else int(step.expected_rows[r]), p])
                 if et != -1 and et != tok:
                     c |= Check.TOKEN
             if layout.sources and (content is None or e in content):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcanary import checks
-from kvcanary.violations import F_CHECKS, F_POSITION, F_ROW, NUM_COUNTERS, Counter
+from kvcanary.violations import F_CHECKS, F_POSITION, F_ROW, NUM_COUNTERS, Check, Counter
 
 import loopref
 from factories import paged_layout, prefill_of, random_step
@@ -46,12 +46,13 @@ def corrupt(rng, stamps, layout, step):
     pad_tokens=st.booleans(),
     window=st.sampled_from([None, 3]),
     budget=st.sampled_from([None, 0, 1, 5]),
+    book=st.booleans(),
 )
-def test_torch_equals_loop(seed, kind, nrows, pad_rows, pad_tokens, window, budget):
+def test_torch_equals_loop(seed, kind, nrows, pad_rows, pad_tokens, window, budget, book):
     rng = random.Random(seed)
     layout = paged_layout(NB, BS, seed=seed)
     lens = [(rng.randint(0, 9), rng.randint(0, 5)) for _ in range(nrows)]
-    step, stoks = random_step(rng, NB * BS, BS, lens, kind, pad_rows, pad_tokens, window)
+    step, stoks = random_step(rng, NB * BS, BS, lens, kind, pad_rows, pad_tokens, window, book)
     stamps_t = checks.new_stamps(NB * BS)
     stamps_l = stamps_t.clone()
     pre = prefill_of(step, stoks)
@@ -103,3 +104,24 @@ def test_counters_and_budget_rotation():
     assert c["CONTENT_BYTES_VERIFIED"] == 16 * layout.content_bytes_per_slot
     assert c["LINKS_CHECKED"] == 64
     assert int(cursor) == 16
+
+
+def test_a_wrong_token_in_a_record_read_through_expected_rows_is_reported_at_its_row_and_position():
+    """A step that reads an engine's token record in place (``expected_rows``) is checked against
+    the rows it names: a wrong token there is a TOKEN violation at that step row and position; a
+    wrong token in a row no step row names, or past what the row reads, is not consulted."""
+    rng = random.Random(5)
+    layout = paged_layout(NB, BS, seed=5)
+    step, stoks = random_step(rng, NB * BS, BS, [(9, 1), (7, 1)], book=True)
+    stamps = checks.new_stamps(NB * BS)
+    checks.stamp(stamps, layout, prefill_of(step, stoks), torch.zeros(NUM_COUNTERS, dtype=torch.int64), 0)
+    assert run_verify(stamps, layout, step)[0] == {}
+    named = set(step.expected_rows.tolist())
+    other = next(i for i in range(step.expected_tokens.shape[0]) if i not in named)
+    step.expected_tokens[other, :5] += 1  # a row no step row reads
+    step.expected_tokens[int(step.expected_rows[0]), 9:] += 1  # past row 0's reads (its new token: a separate stream)
+    assert run_verify(stamps, layout, step)[0] == {}
+    step.expected_tokens[int(step.expected_rows[1]), 4] += 1
+    got, _ = run_verify(stamps, layout, step)
+    assert got == {(1, 4): int(Check.TOKEN)}
+    assert got == loopref.verify(stamps, layout, step, None)

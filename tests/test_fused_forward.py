@@ -70,7 +70,8 @@ def test_the_compiled_forward_hooks_equal_the_per_op_path(seed, lay, kind):
     fast, slow = _twins(layout, n, budget, rng.choice([0, 3 * per_slot or 0]), validate=False)
     for forward in range(4):
         lens = [(rng.randint(20, 120), rng.randint(0, 3))] + [(rng.randint(0, 20), rng.randint(0, 30)) for _ in range(2)]
-        step, stoks = random_step(rng, n, bs, lens, kind, rng.randint(0, 2), rng.random() < 0.5, rng.choice([None, 5]))
+        step, stoks = random_step(rng, n, bs, lens, kind, rng.randint(0, 2), rng.random() < 0.5, rng.choice([None, 5]),
+                                   book=rng.random() < 0.5)
         pre = prefill_of(step, stoks)
         if rng.random() < 0.3:  # some reads are of slots this step writes: the Python side finishes
             step.written_from = step.cached_lens.long() - torch.randint(0, 8, (step.num_rows,))

@@ -110,7 +110,7 @@ def _setup(backend, bs, kind, lay, seed):
     layout = make_layout(lay, nb, bs, seed)
     lens = [(rng.randint(30, 140), rng.randint(0, 3))] + [(rng.randint(0, 20), rng.randint(0, 40)) for _ in range(2)]
     step, stoks = random_step(rng, nb * bs, bs, lens, kind, rng.randint(0, 2), rng.random() < 0.5,
-                              rng.choice([None, 5]))
+                              rng.choice([None, 5]), book=rng.random() < 0.5)
     step, pre = step_to(step, DEV), step_to(prefill_of(step, stoks), DEV)
     if rng.random() < 0.3:  # some reads are of slots this step writes: verified in two parts
         step.written_from = step.cached_lens.long() - torch.randint(0, 8, (step.num_rows,), device=DEV)
@@ -202,11 +202,15 @@ def test_fused_validation_accepts_what_torch_accepts():
         bs = rng.choice([1, 4, 16])
         _, _, n, step, _ = _setup("fused", bs, rng.choice(["block", "token"]), "none", i)
         field = rng.choice(["cached_lens", "new_offsets", "new_slots", "new_positions", "table", "read_starts",
-                            "table_rows"])
+                            "table_rows", "expected_rows"])
         if field == "read_starts":
             step.read_starts = (step.cached_lens - rng.randint(-2, 6)).clamp_min(rng.choice([-1, 0]))
         elif field == "table_rows":
             step.table_rows = torch.tensor([rng.randint(-1, step.table.shape[0]) for _ in range(step.num_rows)])
+        elif field == "expected_rows":
+            n_exp = step.expected_tokens.shape[0]
+            step.expected_rows = torch.tensor([rng.randint(-1 if rng.random() < 0.3 else 0, n_exp - (rng.random() < 0.7))
+                                               for _ in range(step.num_rows)])
         else:
             t = step.table if field == "table" else getattr(step, field)
             if t.numel():

@@ -38,6 +38,12 @@ CASES = [
     (lambda s: setattr(s, "read_starts", torch.tensor([5, 0])), "read_starts: expected < cached_lens when a row appends tokens, got 5"),
     (lambda s: setattr(s, "new_positions", s.new_positions - 10), "new_positions: expected >= 0"),
     (lambda s: setattr(s, "expected_tokens", torch.zeros(3, 4, dtype=torch.int64)), "expected_tokens: expected 2 rows, got 3"),
+    (lambda s: (setattr(s, "expected_tokens", torch.zeros(3, 4, dtype=torch.int64)),
+                setattr(s, "expected_rows", torch.tensor([2, 3]))), r"expected_rows: expected in \[0, 3\), got 3 at index 1"),
+    (lambda s: (setattr(s, "expected_tokens", None), setattr(s, "expected_rows", torch.tensor([0, 1]))),
+     "expected_rows: given without expected_tokens"),
+    (lambda s: (setattr(s, "expected_tokens", torch.zeros(3, 4, dtype=torch.int64)),
+                setattr(s, "expected_rows", torch.tensor([0]))), r"expected_rows: expected shape \(2,\), got \(1,\)"),
 ]
 
 

@@ -86,7 +86,7 @@ def canonical_seeds(stamps: torch.Tensor, step: Step) -> tuple[torch.Tensor, tor
     rows = unknown.nonzero().squeeze(1)
     n = cached[rows].clamp(max=et.shape[1])
     row, p = rows_of(n)
-    tok = et[rows[row], p].long()
+    tok = et[step.expected_row_of(rows[row]), p].long()
     missing = torch.zeros(rows.shape[0], dtype=torch.int64, device=cached.device)
     missing.index_add_(0, row, (tok < 0).long())  # tokens of the prefix the step does not know
     full = (missing == 0) & (n == cached[rows])
@@ -170,7 +170,7 @@ def verify(
     if step.expected_tokens is not None:
         et = step.expected_tokens
         inside = pos < et.shape[1]
-        exp_tok = torch.where(inside, et[row, torch.where(inside, pos, 0)].long(), -1)
+        exp_tok = torch.where(inside, et[step.expected_row_of(row), torch.where(inside, pos, 0)].long(), -1)
         tok_bad = readable & (exp_tok != -1) & (s_tok != exp_tok)
         failed |= tok_bad
 

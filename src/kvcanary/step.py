@@ -43,7 +43,10 @@ class Step:
     table_rows : int ``[R]`` which table row each step row uses (default: row ``r`` uses row ``r``)
     read_starts : int ``[R]`` first position the attention reads (sliding windows; default 0)
     row_valid : bool ``[R]`` False marks a padding row (default: all valid)
-    expected_tokens : int ``[R, max_len]`` the request's real token at each position, -1 where unknown
+    expected_tokens : int ``[num_expected_rows, max_len]`` the request's real token at each position,
+        -1 where unknown (positions past a row's ``cached_len`` plus its new tokens are not consulted)
+    expected_rows : int ``[R]`` which row of ``expected_tokens`` each step row uses (default: row ``r``
+        uses row ``r``): an engine's token record read in place, without a per-step copy
     expected_new_tokens, expected_new_positions : int ``[T]`` write-input assertion streams (a token of
         -1 is not known yet and not checked)
     written_from : int ``[R]`` the first position of row ``r``'s reads whose slots this same step writes
@@ -64,6 +67,7 @@ class Step:
     read_starts: torch.Tensor | None = None
     row_valid: torch.Tensor | None = None
     expected_tokens: torch.Tensor | None = None
+    expected_rows: torch.Tensor | None = None
     expected_new_tokens: torch.Tensor | None = None
     expected_new_positions: torch.Tensor | None = None
     written_from: torch.Tensor | None = None
@@ -137,6 +141,7 @@ class Step:
             "table_rows": (r,),
             "read_starts": (r,),
             "row_valid": (r,),
+            "expected_rows": (r,),
             "expected_new_tokens": (t,),
             "expected_new_positions": (t,),
             "written_from": (r,),
@@ -158,8 +163,11 @@ class Step:
                     raise StepError(f"{name}: expected 2 dims, got shape {tuple(v.shape)}")
             elif tuple(v.shape) != shape:
                 raise StepError(f"{name}: expected shape {shape}, got {tuple(v.shape)}")
-        if self.expected_tokens is not None and self.expected_tokens.shape[0] != r:
-            raise StepError(f"expected_tokens: expected {r} rows, got {self.expected_tokens.shape[0]}")
+        if self.expected_rows is not None and self.expected_tokens is None:
+            raise StepError("expected_rows: given without expected_tokens")
+        if self.expected_tokens is not None and self.expected_rows is None and self.expected_tokens.shape[0] != r:
+            raise StepError(f"expected_tokens: expected {r} rows, got {self.expected_tokens.shape[0]} "
+                            "(pass expected_rows to read other rows)")
         if self.table_rows is None and self.table.shape[0] < r:
             raise StepError(f"table has {self.table.shape[0]} rows for a step of {r} rows; pass table_rows")
 
@@ -182,6 +190,11 @@ class Step:
         if self.table_rows is not None:
             _check((self.table_rows >= 0) & (self.table_rows < self.table.shape[0]), "table_rows",
                    self.table_rows, f"in [0, {self.table.shape[0]})")
+        if self.expected_rows is not None:
+            assert self.expected_tokens is not None
+            n = self.expected_tokens.shape[0]
+            _check((self.expected_rows >= 0) & (self.expected_rows < n), "expected_rows", self.expected_rows,
+                   f"in [0, {n})")
         if self.block_table is not None:
             self._check_blocks(num_slots, valid, span)
         _check(self.new_slots < num_slots, "new_slots", self.new_slots, f"< num_slots {num_slots}")
@@ -279,6 +292,10 @@ class Step:
             inside &= (e >= -lim) & (e <= lim)
             s = e.clamp(-lim, lim) * bs + p % bs
         return torch.where(inside, s, -1)
+
+    def expected_row_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of ``expected_tokens`` that step ``rows`` read."""
+        return rows if self.expected_rows is None else self.expected_rows.long()[rows]
 
 
 _TENSOR_FIELDS = tuple(f.name for f in fields(Step) if f.name != "block_size")

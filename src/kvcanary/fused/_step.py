@@ -10,12 +10,12 @@ from kvcanary.fused.cache import njit
 from kvcanary.step import _SLOT_LIMIT, Step
 
 # 1-d tensors: address, element size, stride (elements); address 0: absent
-CL, NO, NT, NP, NS, TR, RS, RV, ENT, ENP, WF = (3 * i for i in range(11))
-TAB, ET = 33, 39  # 2-d tensors: address, element size, row stride, column stride, rows, columns
-NROWS, NNEW, BSIZE, IS_BLOCK, SPAN = 45, 46, 47, 48, 49
-DESC_LEN = 50
+CL, NO, NT, NP, NS, TR, RS, RV, ENT, ENP, WF, ER = (3 * i for i in range(12))
+TAB, ET = 36, 42  # 2-d tensors: address, element size, row stride, column stride, rows, columns
+NROWS, NNEW, BSIZE, IS_BLOCK, SPAN = 48, 49, 50, 51, 52
+DESC_LEN = 53
 _ONE_D = ("cached_lens", "new_offsets", "new_tokens", "new_positions", "new_slots", "table_rows", "read_starts",
-          "row_valid", "expected_new_tokens", "expected_new_positions", "written_from")
+          "row_valid", "expected_new_tokens", "expected_new_positions", "written_from", "expected_rows")
 
 
 def describe(step: Step) -> np.ndarray:
@@ -55,6 +55,12 @@ def valid(d, r):  # type: ignore[no-untyped-def]
 @njit(inline="always", **JIT)
 def start(d, r):  # type: ignore[no-untyped-def]
     return 0 if d[RS] == 0 else rd(d, RS, r)
+
+
+@njit(inline="always", **JIT)
+def expected_row(d, r):  # type: ignore[no-untyped-def]
+    """The row of ``expected_tokens`` step row ``r`` reads (in range: validated)."""
+    return r if d[ER] == 0 else rd(d, ER, r)
 
 
 @njit(inline="always", **JIT)

@@ -16,8 +16,8 @@ from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UN
 from kvcanary.errors import KvCanaryError
 from kvcanary.fused._core import (JIT, SEED, SourceTable, fold_slot, g_term, ld, ld_i32, ld_i64, link_next, prefetch,
                                   st_i64)
-from kvcanary.fused._step import (CL, ENP, ENT, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
-                                  describe, lookup, rd, rd2, record, start, table_row, valid)
+from kvcanary.fused._step import (CL, ENP, ENT, ER, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
+                                  describe, expected_row, lookup, rd, rd2, record, start, table_row, valid)
 from kvcanary.fused._step import _LIM, TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
 from kvcanary.fused.cache import njit
 from kvcanary.step import Step
@@ -106,7 +106,7 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
         link_p = slot_p = np.int64(0)
         t = table_row(d, r)
         row = tab + t * trs * tesz
-        et_row = et + r * ers * eesz
+        et_row = et + expected_row(d, r) * ers * eesz
         col = np.int64(-1)  # the block column of ``pos`` (-1: not reached yet), ``off`` its offset in it
         off = np.int64(0)
         entry = np.int64(0)
@@ -193,8 +193,9 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
 def _prefix_link(d, r, n):  # type: ignore[no-untyped-def]
     """The link of position ``n - 1`` from the row's expected tokens, and whether all were known."""
     link = np.uint64(0)
+    er = expected_row(d, r)
     for p in range(n):
-        t = rd2(d, ET, r, p)
+        t = rd2(d, ET, er, p)
         if t < 0:
             return np.int64(0), False
         g = g_term(t, p)
@@ -402,6 +403,10 @@ def _validate(d, num_slots):  # type: ignore[no-untyped-def]
         if d[TR] != 0:
             t = rd(d, TR, r)
             if t < 0 or t >= d[TAB + 4]:
+                return 1
+        if d[ER] != 0:
+            t = rd(d, ER, r)
+            if t < 0 or t >= d[ET + 4]:
                 return 1
         if d[IS_BLOCK] != 0 and ok:
             t = table_row(d, r)

@@ -103,11 +103,11 @@ def _window_kernel(cached, starts, valid, rows, first, meta, cursor, counters, c
 
 @triton.jit
 def _verify_kernel(
-    stamps, num_slots, table, width, span, bs, table_rows, cached, starts, valid, exp_tok, exp_w,
+    stamps, num_slots, table, width, span, bs, table_rows, cached, starts, valid, exp_tok, exp_w, exp_rows,
     first, meta, cursor, src, nsrc, ntiles, bytes_per_slot, counters, ring, cap,
     BLOCK: tl.constexpr, BLOCK_TABLE: tl.constexpr, HAS_TROWS: tl.constexpr, HAS_STARTS: tl.constexpr,
-    HAS_VALID: tl.constexpr, HAS_EXP: tl.constexpr, HAS_CONTENT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    CHUNK: tl.constexpr, SAME_PS: tl.constexpr, EVEN: tl.constexpr, NARROW: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_EXP: tl.constexpr, HAS_EROWS: tl.constexpr, HAS_CONTENT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, CHUNK: tl.constexpr, SAME_PS: tl.constexpr, EVEN: tl.constexpr, NARROW: tl.constexpr,
 ):
     """Per read entry (row r, position p): POSITION, LINK (stored link == B*pred.link + g(token, pos)),
     TOKEN, CONTENT (every entry, or those in the window), EMPTY, BAD_SLOT; an unknown slot (position
@@ -117,6 +117,9 @@ def _verify_kernel(
     trow = r.to(tl.int64)
     if HAS_TROWS:
         trow = tl.load(table_rows + r).to(tl.int64)
+    erow = r.to(tl.int64)
+    if HAS_EROWS:
+        erow = tl.load(exp_rows + r).to(tl.int64)
     step_id = tl.load(counters + 0)
     # programs stride over the row's blocks: a row longer than one grid pass still gets every block
     for blk in range(tl.program_id(1), tl.cdiv(cnt, BLOCK).to(tl.int32), tl.num_programs(1)):
@@ -149,7 +152,7 @@ def _verify_kernel(
         etok = p * 0 - 1
         if HAS_EXP:
             inside = p < exp_w
-            etok = tl.load(exp_tok + r * exp_w + tl.where(inside, p, 0), mask=m & inside, other=-1).to(tl.int64)
+            etok = tl.load(exp_tok + erow * exp_w + tl.where(inside, p, 0), mask=m & inside, other=-1).to(tl.int64)
             checks |= tl.where(readable & (etok != -1) & (s_tok != etok), 4, 0)
         exp_cont = p * 0
         if HAS_CONTENT:
@@ -217,9 +220,9 @@ def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.T
         stamps, stamps.shape[0], table, table.shape[1], step.table_span, step.block_size,
         step.table_rows if step.table_rows is not None else dummy, step.cached_lens, starts, valid,
         exp if exp is not None else dummy, exp.shape[1] if exp is not None else 0,
-        first, meta, cursor, src.table, src.count, src.tiles, src.bytes_per_slot, counters, ring, ring.shape[0],
+        step.expected_rows if step.expected_rows is not None else dummy, first, meta, cursor, src.table, src.count, src.tiles, src.bytes_per_slot, counters, ring, ring.shape[0],
         BLOCK=block, BLOCK_TABLE=step.block_table is not None, HAS_TROWS=step.table_rows is not None,
-        HAS_EXP=exp is not None, HAS_CONTENT=has_content, HAS_WINDOW=window, CHUNK=src.chunk,
+        HAS_EXP=exp is not None, HAS_EROWS=step.expected_rows is not None, HAS_CONTENT=has_content, HAS_WINDOW=window, CHUNK=src.chunk,
         SAME_PS=src.same_page_size, EVEN=src.even, NARROW=src.narrow, num_warps=4 if has_content else META_WARPS,
         **flags,
     )
