@@ -167,7 +167,7 @@ class CbForward:
         from kvcanary.engines.transformers_compiled import StepBuilder
 
         self.canary, self.book, self.builder = canary, TokenBook(), StepBuilder()
-        self.groups = {"full": types.SimpleNamespace(index=0, stride=BLOCK, tpp=BLOCK, trash=-7)}
+        self.groups = {"full": types.SimpleNamespace(index=0, stride=BLOCK, tpp=BLOCK, trash=-7, canary=canary)}
 
     def prepare(self, reqs_: Requests, first: bool) -> tuple:
         return reqs_.cb_batch()

@@ -16,7 +16,7 @@ import tempfile
 import warnings
 
 VERIFY = dict(stamps="*i64", num_slots="i64", table="*i32", width="i32", span="i32", bs="i32", table_rows="*i64",
-              cached="*i64", starts="*i64", valid="*i1", exp_tok="*i64", exp_w="i32", first="*i64", meta="*i64",
+              cached="*i64", starts="*i64", valid="*i1", exp_tok="*i64", exp_w="i32", exp_rows="*i64", first="*i64", meta="*i64",
               cursor="*i64", src="*i64", nsrc="i32", ntiles="i32", bytes_per_slot="i32", counters="*i64", ring="*i64", cap="i32")
 TOKENS = dict(tokens="*i64", positions="*i64", offsets="*i64", rows="i32", steps="i32", cached="*i64", table="*i32",
               width="i32", span="i32", bs="i32", table_rows="*i64", stamps="*i64", num_slots="i64", seeds="*i64",
@@ -63,14 +63,15 @@ def compile_all(out_dir):
     from kvcanary.kernels.stamp import _block_aggregates, _carry, _write_kernel
     from kvcanary.kernels.verify import _verify_kernel, _window_kernel
 
-    for tag, bt, tr, st, va, ex, co, wi, block, warps, narrow in [
-        ("verify_content", True, False, False, True, True, True, True, 32, 4, False),
-        ("verify_content_unmasked", True, False, False, False, False, True, False, 32, 4, False),
-        ("verify_meta", False, True, True, False, False, False, False, 512, 8, False),
-        ("verify_narrow", True, False, False, True, True, True, True, 32, 4, True),
+    for tag, bt, tr, st, va, ex, er, co, wi, block, warps, narrow in [
+        ("verify_content", True, False, False, True, True, True, True, True, 32, 4, False),
+        ("verify_content_unmasked", True, False, False, False, False, False, True, False, 32, 4, False),
+        ("verify_meta", False, True, True, False, True, False, False, False, 512, 8, False),
+        ("verify_narrow", True, False, False, True, True, True, True, True, 32, 4, True),
     ]:
         compile_for_hopper(_verify_kernel, VERIFY, dict(BLOCK=block, BLOCK_TABLE=bt, HAS_TROWS=tr, HAS_STARTS=st,
-                                                        HAS_VALID=va, HAS_EXP=ex, HAS_CONTENT=co, HAS_WINDOW=wi,
+                                                        HAS_VALID=va, HAS_EXP=ex, HAS_EROWS=er, HAS_CONTENT=co,
+                                                        HAS_WINDOW=wi,
                                                         CHUNK=64, SAME_PS=True, EVEN=True, NARROW=narrow), tag, out_dir,
                            warps)
     compile_for_hopper(_window_kernel, WINDOW, dict(RB=1024, HAS_STARTS=True, HAS_VALID=True), "window", out_dir)

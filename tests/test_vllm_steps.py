@@ -153,7 +153,9 @@ def test_a_draft_of_unknown_id_is_laid_out_as_unknown():
     book.extend("a", 0, [1, 2, 3])
     md = metadata([[1, 2]], [6], [3])
     rows = match_rows(md, [ReqStep("a", 3, 3, first_slot([1, 2], 3), 3, [], [-1, 9])], book)
-    assert rows.unknown_new and rows.tokens[0, :6].tolist() == [1, 2, 3, -1, -1, 9]  # position 3: not sent
+    assert rows.unknown_new and rows.new_tokens.tolist() == [-1, -1, 9]  # position 3: not sent
+    # the steps read the committed tokens in the book's record, in place
+    assert rows.record is book.buf and rows.record[rows.record_rows[0], :6].tolist() == [1, 2, 3, -1, -1, -1]
 
 
 def test_rows_match_by_first_slot_and_unmatched_rows_are_padding():
@@ -202,7 +204,7 @@ def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
     table, seqs, news, reqs = [], [], [], []
     free = list(range(1, 200))
     rng.shuffle(free)
-    book = TokenBook()
+    book, truth = TokenBook(), {}
     for i in range(nreq):
         computed, new = rng.randint(0, 30), rng.randint(0, 6) if rng.random() < 0.2 else rng.randint(1, 6)
         seq = computed + new
@@ -213,7 +215,12 @@ def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
         known = rng.randint(0, seq)
         if rng.random() < 0.8:
             book.extend(f"r{i}", 0, toks[:known])
+        else:
+            known = 0
         drafts = [rng.choice([rng.randrange(1000), -1]) for _ in range(rng.randint(0, new))] if rng.random() < 0.3 else []
+        # each position's id as the forward knows it: committed ones the book holds, then the drafts
+        truth[f"r{i}"] = toks[:known] + [-1] * (seq - known)
+        truth[f"r{i}"][seq - len(drafts) : seq] = drafts
         landed = rng.randint(0, computed) if rng.random() < 0.2 else -1
         if new and rng.random() < 0.85:  # else: a padding row (no request record for it)
             reqs.append(ReqStep(f"r{i}", computed, new, first_slot(table[i], computed), computed, [], drafts=drafts,
@@ -222,8 +229,15 @@ def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
     for window in (None, rng.randint(2, 12)):
         a, b = match_rows(md, reqs, book, fused=True), match_rows(md, reqs, book, fused=False)
         assert a.rids == b.rids and a.reqs == b.reqs and a.unknown_new == b.unknown_new
-        assert torch.equal(a.valid, b.valid) and torch.equal(a.tokens, b.tokens)
+        assert torch.equal(a.valid, b.valid) and a.record is b.record is book.buf
+        assert torch.equal(a.record_rows, b.record_rows) and torch.equal(a.new_tokens, b.new_tokens)
         x, y = build_step(md, a, BS, window, fused=True), build_step(md, b, BS, window, fused=False)
+        for i, rid in enumerate(a.rids):  # against the truth: reads see committed ids, writes the drafts too
+            if rid:
+                c = int(x.cached_lens[i])
+                assert x.expected_tokens[x.expected_rows[i], :c].tolist() == [t if t >= 0 else -1 for t in truth[rid][:c]]
+                lo, hi = int(x.new_offsets[i]), int(x.new_offsets[i + 1])
+                assert x.new_tokens[lo:hi].tolist() == truth[rid][c:], (rid, truth[rid])
         for f in x.__dataclass_fields__:
             u, v = getattr(x, f), getattr(y, f)
             if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):

@@ -249,7 +249,8 @@ def _final_metrics(adapter: "Adapter | None") -> None:
 
 def step_from_block_table(block_table: torch.Tensor, block_size: int, query_start: torch.Tensor,
                           seq_lens: torch.Tensor, slot_mapping: torch.Tensor, tokens: torch.Tensor,
-                          valid: torch.Tensor, read_starts: torch.Tensor | None = None) -> Step:
+                          valid: torch.Tensor, read_starts: torch.Tensor | None = None,
+                          expected_rows: torch.Tensor | None = None, new_tokens: torch.Tensor | None = None) -> Step:
     """A step from paged-attention metadata: ``R`` rows, ``T`` new tokens.
 
     Parameters
@@ -259,7 +260,9 @@ def step_from_block_table(block_table: torch.Tensor, block_size: int, query_star
     seq_lens : int ``[>= R]`` each row's length after this step (cached + new)
     slot_mapping : int ``[T]`` the slot each new token is written to
     tokens : int ``[R, width]`` each row's known token stream, -1 where unknown (the new tokens'
-        ids are read from it)
+        ids are read from it); with ``expected_rows``, a token record whose row ``expected_rows[r]``
+        is row ``r``'s stream
+    new_tokens : int ``[T]`` the new tokens' ids, where they are not all in ``tokens`` (drafts)
     valid : bool ``[R]`` rows the adapter matched to a request (others are padding)
     read_starts : int ``[R]`` the first position each row's attention reads (a sliding window;
         ``None``: position 0)
@@ -273,11 +276,14 @@ def step_from_block_table(block_table: torch.Tensor, block_size: int, query_star
     n = int(slot_mapping.shape[0])
     row = torch.repeat_interleave(torch.arange(r, device=qsl.device), q, output_size=n)
     pos = cached[row] + (torch.arange(n, device=qsl.device) - qsl[:-1][row])
+    if new_tokens is None:
+        trow = row if expected_rows is None else expected_rows.long()[row]
+        new_tokens = torch.where(pos < tokens.shape[1], tokens[trow, pos.clamp(max=tokens.shape[1] - 1)], -1)
     step = Step(
-        cached_lens=cached, new_offsets=qsl, new_tokens=tokens[row, pos.clamp(max=tokens.shape[1] - 1)],
+        cached_lens=cached, new_offsets=qsl, new_tokens=new_tokens,
         new_positions=pos, new_slots=torch.where(valid[row], slot_mapping.long(), -1),
         block_table=block_table[:r], block_size=block_size, row_valid=valid, expected_tokens=tokens,
-        read_starts=read_starts,
+        expected_rows=expected_rows, read_starts=read_starts,
     )
     step.written_from = written_from(step)
     return step

@@ -1,4 +1,5 @@
-"""Each live request's real token stream, kept on the host for the canary's token checks."""
+"""Each live request's real token stream, kept on the host for the canary's token checks (and
+mirrored on a CUDA pool's device with only what changed sent each forward)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,14 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+def _sent(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` through pinned memory, without the host waiting (``device`` may be the
+    CPU, where the tests keep a mirror)."""
+    if device.type == "cpu":
+        return host.clone()
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 _RUN = 16  # a request's new tokens from this many on are written as one slice (a prompt, a prefill chunk)
@@ -16,13 +25,22 @@ class TokenBook:
 
     Each forward appends only the tokens not seen before, with one indexed write; rows of requests
     that left the cache are recycled. Reads and writes go through numpy (the buffer is on the host).
+    A request's row holds its known tokens ``[0, have)`` and -1 from there on; row :attr:`BLANK` is
+    all -1 (a step row whose request the book does not know reads it). A step reads the buffer in
+    place (:attr:`kvcanary.step.Step.expected_rows`); :meth:`on` gives it on another device.
     """
+
+    BLANK = 0
 
     def __init__(self) -> None:
         self.buf = torch.full((16, 256), -1, dtype=torch.int64)
         self.row: dict[str, int] = {}
         self.have: dict[str, int] = {}
         self.calls = 0
+        # the device copies of :attr:`buf`, and what was written since each was last brought up to date:
+        # ``(rows, positions)`` index arrays, or None when the buffer itself was replaced
+        self._mirrors: dict[torch.device, torch.Tensor] = {}
+        self._dirty: list[tuple[np.ndarray, np.ndarray]] | None = []
 
     def streams(self, states: list[Any], upto: list[int], width: int) -> torch.Tensor:
         """int64 ``[len(states), width]``: request ``i``'s tokens ``[0, upto[i])``, then -1 (from
@@ -108,9 +126,10 @@ class TokenBook:
         if need > self.buf.shape[1]:
             grown = torch.full((self.buf.shape[0], 2 * need), -1, dtype=torch.int64)
             grown[:, : self.buf.shape[1]] = self.buf
-            self.buf = grown
+            self._replaced(grown)
         if vals:  # numpy indexing: a few microseconds where torch ops on small lists cost tens
             self.buf.numpy()[rr, pp] = vals
+            self._touched(np.asarray(rr, dtype=np.int64), np.asarray(pp, dtype=np.int64))
 
     def _write_runs(self, runs: list[tuple[int, int, list[int]]]) -> None:
         """Each run's tokens into its row with one slice assignment (the buffer is already wide
@@ -119,6 +138,40 @@ class TokenBook:
             b = self.buf.numpy()
             for r, start, tokens in runs:
                 b[r, start : start + len(tokens)] = tokens
+                self._touched(np.full(len(tokens), r, dtype=np.int64), np.arange(start, start + len(tokens)))
+
+    def _replaced(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self._dirty = None
+
+    def _touched(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        if self._mirrors and self._dirty is not None:
+            self._dirty.append((rows, positions))
+
+    def on(self, device: torch.device | str) -> torch.Tensor:
+        """:attr:`buf` on ``device``: the buffer itself on the CPU; elsewhere a copy kept up to date
+        by sending only the entries written since its last use (a forward's new tokens: the host
+        part sized by requests, not by positions), or the whole buffer after it grew."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.buf
+        return self._synced(device)
+
+    def _synced(self, device: torch.device) -> torch.Tensor:
+        m = self._mirrors.get(device)
+        if m is None or self._dirty is None or m.shape != self.buf.shape:
+            for d in list(self._mirrors):  # every mirror is rebuilt from the buffer as it now is
+                del self._mirrors[d]
+            m = self._mirrors[device] = _sent(self.buf.clone(), device)
+        elif self._dirty:
+            rows = np.concatenate([r for r, _ in self._dirty])
+            pos = np.concatenate([p for _, p in self._dirty])
+            # rows, positions and the values as they are now (an entry written twice sends its last
+            # value twice) in one transfer
+            sent = _sent(torch.from_numpy(np.stack([rows, pos, self.buf.numpy()[rows, pos]])), device)
+            m[sent[0], sent[1]] = sent[2]
+        self._dirty = []
+        return m
 
     def _window(self, rows: list[int], upto: list[int], width: int) -> torch.Tensor:
         if width > self.buf.shape[1]:
@@ -129,11 +182,16 @@ class TokenBook:
 
     def _free_row(self) -> int:
         used = set(self.row.values())
+        used.add(self.BLANK)
         r = next((i for i in range(self.buf.shape[0]) if i not in used), None)
         if r is None:
             r = self.buf.shape[0]
-            self.buf = torch.cat([self.buf, torch.full_like(self.buf, -1)])
-        self.buf[r] = -1
+            self._replaced(torch.cat([self.buf, torch.full_like(self.buf, -1)]))
+        have = self.buf.numpy()[r]
+        stale = np.flatnonzero(have != -1)
+        if stale.size:  # a recycled row: only what its last request wrote is cleared
+            have[stale] = -1
+            self._touched(np.full(stale.size, r, dtype=np.int64), stale.astype(np.int64))
         return r
 
     def forget(self, rid: str) -> None:

@@ -7,6 +7,8 @@ runs). The buffers, and the :class:`~kvcanary.step.Step` objects over them, are 
 the forward's shape changes (its requests, new tokens, or a table width past the rounded capacity):
 in a run of decode forwards the canary's checked shapes and compiled descriptors carry over, and a
 forward's host work is the requests' lengths, the token book's new tokens and two compiled calls.
+The steps read the token book's record in place (``expected_rows``): nothing is copied per read
+position.
 A step returned here is refilled by the next forward's build; use it within its forward.
 """
 
@@ -27,37 +29,32 @@ WIDTH_QUANTUM = 128  # table widths are rounded up to this, so a decode run keep
 
 
 @njit(**JIT)
-def fill_common(q, past, book, book_rows, cu_src, tok_src, pos_src, cu, tokens, positions, exp, exp_new):  # type: ignore[no-untyped-def]
+def fill_common(q, past, book, book_rows, cu_src, tok_src, pos_src, cu, tokens, positions, erows, exp_new):  # type: ignore[no-untyped-def]
     """The fields every group's step shares: ``cu`` (int64 ``[R + 1]``), ``tokens`` and ``positions``
-    (``[T]``) copied from the batch's own tensors; with a token book (``exp`` has rows), each row's
-    known tokens ``book[book_rows[r], :past[r] + q[r]]`` then -1 in ``exp``, and each new token's
-    expected token in ``exp_new``."""
+    (``[T]``) copied from the batch's own tensors; with a token book (``erows`` has rows), each
+    row's row of the book in ``erows`` and each new token's expected token in ``exp_new``."""
     r = q.shape[0]
     for i in range(r + 1):
         cu[i] = cu_src[i]
     for t in range(tokens.shape[0]):
         tokens[t] = tok_src[t]
         positions[t] = pos_src[t]
-    if exp.shape[0] == 0:
+    if erows.shape[0] == 0:
         return
-    width = exp.shape[1]
+    width = book.shape[1]
     t = 0
     for row in range(r):
-        upto = min(past[row] + q[row], width)
-        src = book[book_rows[row]]
-        for p in range(upto):
-            exp[row, p] = src[p]
-        for p in range(upto, width):
-            exp[row, p] = -1
+        b = book_rows[row]
+        erows[row] = b
         for j in range(q[row]):
             pos = past[row] + j
-            exp_new[t] = exp[row, pos] if pos < width else -1
+            exp_new[t] = book[b, pos] if pos < width else -1
             t += 1
 
 
 @njit(**JIT)
 def fill_group(read, cu_k, q, past, write, stride, tpp, trash, table, starts, wslot):  # type: ignore[no-untyped-def]
-    """One group's slot table (int64 ``[R + 1, width + 1]``; row ``R`` and column ``width`` are
+    """One group's slot table (int32 or int64 ``[R + 1, width + 1]``; row ``R`` and column ``width`` are
     scratch), read starts and new tokens' slots, from its read index (row ``r``'s reads at
     ``cu_k[r] .. cu_k[r + 1]``, its cached positions first) and write index (one entry per new
     token). Physical indices are compacted to ``(i // stride) * tpp + i % stride``; a write to the
@@ -78,13 +75,25 @@ def fill_group(read, cu_k, q, past, write, stride, tpp, trash, table, starts, ws
         for pos in range(max(past[row] + q[row], 0), width + 1):
             table[row, pos] = -1
         base = cu_k[row]
+        # a page's entries are consecutive indices: the compact slot then moves on by one, and the
+        # divisions are done only where a run of them starts
+        prev = np.int64(-2)
+        rem = c = np.int64(0)
         for j in range(nc):
             e = base + j
             pos = lo + j
             if 0 <= pos <= width:
                 if e < nread:
                     p = np.int64(read[e])
-                    table[row, pos] = (p // stride) * tpp + p % stride
+                    if p == prev + 1 and rem + 1 < stride:
+                        rem += 1
+                        c += 1
+                    else:
+                        blk = p // stride
+                        rem = p - blk * stride
+                        c = blk * tpp + rem
+                    prev = p
+                    table[row, pos] = c
                 else:
                     table[row, pos] = -1
     t = 0
@@ -100,23 +109,26 @@ def fill_group(read, cu_k, q, past, write, stride, tpp, trash, table, starts, ws
 class _Shape:
     """The buffers and steps of one forward shape."""
 
-    def __init__(self, names: list[str], r: int, total: int, width: int, tokens: bool) -> None:
+    def __init__(self, names: list[str], r: int, total: int, width: int, tokens: bool, narrow: bool) -> None:
         e64 = lambda *shape: torch.empty(shape, dtype=torch.int64)  # noqa: E731
         self.past, self.cu, self.tokens, self.positions = e64(r), e64(r + 1), e64(total), e64(total)
-        self.exp = e64(r, width) if tokens else e64(0, 0)
+        self.erows = e64(r if tokens else 0)
         self.exp_new = e64(total if tokens else 0)
-        self.groups = {name: (e64(r + 1, width + 1), e64(r), e64(total)) for name in names}
+        # int32 slot tables where every slot number fits (half the bytes the build writes and the verify reads)
+        tab = lambda: torch.empty((r + 1, width + 1), dtype=torch.int32 if narrow else torch.int64)  # noqa: E731
+        self.groups = {name: (tab(), e64(r), e64(total)) for name in names}
         self.steps = {
             name: Step(slot_table=table, cached_lens=self.past, read_starts=starts, new_offsets=self.cu,
                        new_tokens=self.tokens, new_positions=self.positions, new_slots=wslot,
-                       expected_tokens=self.exp if tokens else None,
+                       expected_rows=self.erows if tokens else None,
                        expected_new_tokens=self.exp_new if tokens else None)
             for name, (table, starts, wslot) in self.groups.items()
         }
         # numpy views for the compiled calls
-        self.np = {k: getattr(self, k).numpy() for k in ("past", "cu", "tokens", "positions", "exp", "exp_new")}
+        self.np = {k: getattr(self, k).numpy() for k in ("past", "cu", "tokens", "positions", "erows", "exp_new")}
         self.q = np.empty(r, dtype=np.int64)  # each request's new tokens (host only)
         self.np_groups = {name: tuple(x.numpy() for x in bufs) for name, bufs in self.groups.items()}
+        self.book: torch.Tensor | None = None  # the token book's record the steps read (set by the first build)
 
 
 class StepBuilder:
@@ -138,7 +150,8 @@ class StepBuilder:
         cap = -(-width // WIDTH_QUANTUM) * WIDTH_QUANTUM
         key = (id(groups), tuple(groups), r, total, cap, book is not None)
         if key != self._key or self._shape is None:
-            self._shape, self._key = _Shape(list(groups), r, total, cap, book is not None), key
+            narrow = all(g.canary.num_slots < 2**31 for g in groups.values())
+            self._shape, self._key = _Shape(list(groups), r, total, cap, book is not None, narrow), key
         sh = self._shape
         n = sh.np
         q, past = sh.q, n["past"]
@@ -146,12 +159,16 @@ class StepBuilder:
         past[:] = upto_list
         past -= q
         if book is not None:
-            rows = np.array(book.update(states, upto_list, cap), dtype=np.int64)
+            rows = np.array(book.update(states, upto_list), dtype=np.int64)
             buf = book.buf.numpy()
+            if sh.book is not book.buf:  # the book's record grew: the steps read the new one in place
+                sh.book = book.buf
+                for step in sh.steps.values():
+                    step.expected_tokens = book.buf
         else:
             rows, buf = _EMPTY1, _EMPTY2
         fill_common(q, past, buf, rows, batch["cu_seq_lens_q"].numpy(), batch["input_ids"].numpy()[0],
-                    batch["position_ids"].numpy()[0], n["cu"], n["tokens"], n["positions"], n["exp"], n["exp_new"])
+                    batch["position_ids"].numpy()[0], n["cu"], n["tokens"], n["positions"], n["erows"], n["exp_new"])
         cu_k_all = batch["cu_seq_lens_k"]
         for name, g in groups.items():
             cu_k = cu_k_all[name] if isinstance(cu_k_all, dict) else cu_k_all

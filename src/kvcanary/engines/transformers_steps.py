@@ -112,13 +112,16 @@ def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, b
     total = wrow_host.shape[0]
     width = max(1, int((past_host + q_host).max()))
     wpos_host = past_host[wrow_host] + j
-    exp_host = None
+    erows_host = exp_tok = None
+    if book is not None:  # the steps read the book's record in place, a copy of it on a CUDA pool's device
+        erows_host = torch.tensor(book.update([fs.state for fs in reqs], (past_host + q_host).tolist()))
+    past, wrow, wpos, erows = cb_hooks.to_device(dev, past_host, wrow_host, wpos_host, erows_host)
+    exp_new = None
     if book is not None:
-        exp_host = book.streams([fs.state for fs in reqs], (past_host + q_host).tolist(), width)
-    past, wrow, wpos, exp_tok = cb_hooks.to_device(dev, past_host, wrow_host, wpos_host, exp_host)
-    exp_new = exp_tok[wrow, wpos] if exp_tok is not None else None
+        exp_tok = book.on(dev)
+        exp_new = exp_tok[erows[wrow], wpos]  # positions below the rows' lengths: inside the record
     if batch.get("block_table") is not None:
-        return fast_path_steps(groups, batch, past, exp_tok, exp_new, r)
+        return fast_path_steps(groups, batch, past, exp_tok, erows, exp_new, r)
     cu_q = batch["cu_seq_lens_q"][: r + 1].long()
     q = cu_q[1:] - cu_q[:-1]
     tokens = batch["input_ids"][0, :total]
@@ -146,13 +149,13 @@ def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, b
         steps[name] = Step(
             slot_table=table, cached_lens=past, read_starts=past - ncached, new_offsets=cu_q,
             new_tokens=tokens, new_positions=positions, new_slots=wslot,
-            expected_tokens=exp_tok, expected_new_tokens=exp_new,
+            expected_tokens=exp_tok, expected_rows=erows, expected_new_tokens=exp_new,
         )
     return steps
 
 
 def fast_path_steps(groups: dict[str, Group], batch: dict, past: torch.Tensor, exp_tok: torch.Tensor | None,
-                    exp_new: torch.Tensor | None, r: int) -> dict[str, Step]:
+                    erows: torch.Tensor | None, exp_new: torch.Tensor | None, r: int) -> dict[str, Step]:
     """The steps of a decode fast-path forward (one new token per request; flash attention reads
     and writes the cache through ``batch["block_table"]``, int32 ``[groups, >= R, max_blocks]`` of
     page indices, -1 where unused; the read and write indices are stale there and not used).
@@ -173,6 +176,6 @@ def fast_path_steps(groups: dict[str, Group], batch: dict, past: torch.Tensor, e
         steps[name] = Step(
             block_table=blocks, block_size=g.tpp, cached_lens=past, new_offsets=torch.arange(r + 1, device=past.device),
             new_tokens=tokens, new_positions=positions, new_slots=torch.where(blocks[rows, col] >= 0, slot, -1),
-            expected_tokens=exp_tok, expected_new_tokens=exp_new,
+            expected_tokens=exp_tok, expected_rows=erows, expected_new_tokens=exp_new,
         )
     return steps

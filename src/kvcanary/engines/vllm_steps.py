@@ -52,40 +52,63 @@ class Rows:
     reqs: list[ReqStep | None]  # per row; None: no scheduled request (padding)
     rids: list[str]  # per row; "" for padding
     valid: torch.Tensor  # bool [R]
-    tokens: torch.Tensor  # int64 [R, width]: each row's token ids by position (drafts included), -1 unknown
+    # the token book's record (int64 [book rows, capacity], on the metadata's device) and each row's
+    # row of it (int64 [R]; the book's blank row for padding and requests it does not know): the
+    # steps read the committed tokens in place
+    record: torch.Tensor
+    record_rows: torch.Tensor
+    new_tokens: torch.Tensor  # int64 [T]: each new token's id (committed, or a draft), -1 unknown
     unknown_new: bool  # a new token's id is not known (a draft the scheduler had not filled in)
 
 
 def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None = None) -> Rows:
     """Match the rows of the primary group's metadata ``md`` to ``reqs`` by the slot of each row's first
-    new token, and lay out every row's token ids: the committed ones from ``book``, then the drafts
-    the forward writes. On CPU metadata with the fused path available (``fused=None``: whenever it
-    is) the token window is a compiled loop (:mod:`kvcanary.engines.vllm_compiled`)."""
+    new token, and give each new token its id: a committed one from ``book``, or the draft the
+    forward writes there. On CPU metadata with the fused path available (``fused=None``: whenever it
+    is) the new tokens are a compiled loop (:mod:`kvcanary.engines.vllm_compiled`); elsewhere they
+    are laid out on the host (a forward's new tokens) and sent with the rows' book rows: nothing is
+    sent per cached position."""
+    qsl_np = md.query_start_loc.cpu().numpy()
+    r = qsl_np.shape[0] - 1
+    seq = md.seq_lens[:r].cpu().numpy().astype(np.int64)
     if _fused(md, fused):
         from kvcanary.engines.vllm_compiled import rows_of
 
-        rows, rids, tokens = rows_of(md, reqs, book)
+        rows, rids, brows, new = rows_of(md, reqs, book)
     else:
-        qsl = md.query_start_loc.long()
-        r = qsl.shape[0] - 1
         n = int(md.num_actual_tokens)
-        seq = md.seq_lens[:r].long()
-        first = md.slot_mapping[:n].long()[qsl[:-1].clamp(max=max(n - 1, 0))].tolist() if n else [-1] * r
+        first = md.slot_mapping[:n].long()[md.query_start_loc[:-1].long().clamp(max=max(n - 1, 0))].tolist() if n else [-1] * r
         by_slot = {x.first_slot: x for x in reqs}
-        rows = [by_slot.get(s) if q > 0 else None for s, q in zip(first, (qsl[1:] - qsl[:-1]).tolist())]
+        q = np.diff(qsl_np).astype(np.int64)
+        rows = [by_slot.get(s) if k > 0 else None for s, k in zip(first, q.tolist())]
         rids = [x.req_id if x is not None else "" for x in rows]
-        upto = seq.tolist()
-        tokens = book.window([rid or "__none__" for rid in rids],
-                             [u if x is not None else 0 for u, x in zip(upto, rows)], max(upto + [1]))
+        brows = np.array([book.row.get(rid, book.BLANK) if rid else book.BLANK for rid in rids], dtype=np.int64)
+        row = np.repeat(np.arange(r), q)
+        pos = (seq - q)[row] + (np.arange(int(q.sum())) - qsl_np[:-1][row])
+        buf = book.buf.numpy()
+        inside = (pos >= 0) & (pos < buf.shape[1])
+        new = torch.from_numpy(np.where(inside, buf[brows[row], np.where(inside, pos, 0)], -1).astype(np.int64))
     unknown = False
-    arr = tokens.numpy()
+    arr = new.numpy()
+    width = max(int(seq.max()) if r else 1, 1)
     for i, x in [(i, x) for i, x in enumerate(rows) if x is not None and x.drafts]:
+        # the drafts the forward writes at positions [d0, d0 + k), over the row's new tokens
         d0 = x.computed + x.scheduled - len(x.drafts)
-        k = max(0, min(len(x.drafts), arr.shape[1] - d0))
-        arr[i, d0 : d0 + k] = np.asarray(x.drafts[:k], dtype=np.int64)
-        unknown |= bool((arr[i, d0 : d0 + k] < 0).any())
+        k = max(0, min(len(x.drafts), width - d0))
+        drafts = np.asarray(x.drafts[:k], dtype=np.int64)
+        lo, hi = int(qsl_np[i]), int(qsl_np[i + 1])
+        c = int(seq[i]) - (hi - lo)
+        a, b = max(d0, c), min(d0 + k, c + hi - lo)
+        if b > a:
+            arr[lo + a - c : lo + b - c] = drafts[a - d0 : b - d0]
+        unknown |= bool((drafts < 0).any())
     valid = torch.from_numpy(np.fromiter((x is not None for x in rows), dtype=np.bool_, count=len(rows)))
-    return Rows(rows, rids, valid, tokens, unknown)
+    dev = md.query_start_loc.device
+    record = book.on(dev)
+    brows_t = torch.from_numpy(brows)
+    if dev.type != "cpu":
+        valid, brows_t, new = (t.pin_memory().to(dev, non_blocking=True) for t in (valid, brows_t, new))
+    return Rows(rows, rids, valid, record, brows_t, new, unknown)
 
 
 def _fused(md: Any, fused: bool | None) -> bool:
@@ -122,16 +145,17 @@ def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: 
 
         lands = np.fromiter((x.landed_from if x is not None and x.landed_from >= 0 else -1 for x in rows.reqs),
                             dtype=np.int64, count=len(rows.reqs))
-        return step_of(md, rows.tokens, rows.valid, block_size, window, lands)
+        return step_of(md, rows, block_size, window, lands)
     qsl = md.query_start_loc.long()
     r = qsl.shape[0] - 1
     n = int(md.num_actual_tokens)
     seq = md.seq_lens[:r].long()
     cached = seq - (qsl[1:] - qsl[:-1])
-    step = step_from_block_table(md.block_table, block_size, qsl, seq, md.slot_mapping[:n].long(), rows.tokens,
-                                 rows.valid, read_starts(cached, window))
+    step = step_from_block_table(md.block_table, block_size, qsl, seq, md.slot_mapping[:n].long(), rows.record,
+                                 rows.valid, read_starts(cached, window), expected_rows=rows.record_rows,
+                                 new_tokens=rows.new_tokens)
     landed = torch.tensor([x.landed_from if x is not None and x.landed_from >= 0 else int(c)
-                           for x, c in zip(rows.reqs, cached.tolist())], dtype=torch.int64)
+                           for x, c in zip(rows.reqs, cached.tolist())], dtype=torch.int64, device=cached.device)
     assert step.written_from is not None
     step.written_from = torch.minimum(step.written_from, landed)  # landed KV is read once it has landed
     return step

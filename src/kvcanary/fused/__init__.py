@@ -89,16 +89,17 @@ def _warm_up() -> None:
 
     e2 = np.zeros((0, 0), dtype=np.int64)
     # the engine's int32 query starts, input ids and positions
-    fill_common(i64(1), i64(0), e2, i64(), i32(0, 1), i32(5), i32(0), i64(0, 0), i64(0), i64(0), e2, i64())
-    fill_group(i64(), i32(0, 1), i64(1), i64(0), i64(0), 8, 8, -1, np.zeros((2, 2), dtype=np.int64), i64(0), i64(0))
-    from kvcanary.engines.vllm_compiled import fill_new, fill_window
+    fill_common(i64(1), i64(0), e2, i64(), i32(0, 1), i32(5), i32(0), i64(0, 0), i64(0), i64(0), i64(), i64())
+    for table_dtype in (np.int32, np.int64):  # int32 slot tables unless a pool's slot numbers need int64
+        fill_group(i64(), i32(0, 1), i64(1), i64(0), i64(0), 8, 8, -1, np.zeros((2, 2), dtype=table_dtype), i64(0),
+                   i64(0))
+    from kvcanary.engines.vllm_compiled import fill_new, fill_tokens
     from kvcanary.fused import forward
     from kvcanary.fused._step import describe
 
     # vLLM's metadata: int32 query starts, sequence lengths and block tables, int64 slot mapping
-    fill_window(e2, i64(-1), i64(1), np.zeros((1, 1), dtype=np.int64))
-    fill_new(i32(0, 1), i32(1), i64(0), np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.bool_), i64(0), i64(0),
-             i64(0), i64(0))
+    fill_tokens(i32(0, 1), i32(1), np.zeros((1, 1), dtype=np.int64), i64(0), i64(0))
+    fill_new(i32(0, 1), i32(1), i64(0), np.ones(1, dtype=np.bool_), i64(0), i64(0), i64(0))
 
     d, led = describe(step), np.full(8, -1, dtype=np.int64)
     st, c, rg = stamps.data_ptr(), counters.data_ptr(), ring.data_ptr()

@@ -25,6 +25,13 @@ def _written_from(d, out):  # type: ignore[no-untyped-def]
             m += 1
     new = np.sort(new[:m])
     bs = d[BSIZE]
+    # the blocks holding a written slot, marked by block number: a row's table entries are checked
+    # with one load each, and only a marked block is searched for the slot
+    nmark = new[m - 1] // bs + 1 if m and d[IS_BLOCK] != 0 else 0
+    marked = np.zeros(nmark, dtype=np.uint8)
+    if nmark:
+        for i in range(m):
+            marked[new[i] // bs] = 1
     for r in range(d[NROWS]):
         cached = rd(d, CL, r)
         lo = max(start(d, r), 0)  # positions before the row's read window are not read
@@ -32,7 +39,7 @@ def _written_from(d, out):  # type: ignore[no-untyped-def]
         if d[IS_BLOCK] != 0:
             for c in range(lo // bs, (max(cached, 0) + bs - 1) // bs):
                 s = lookup(d, r, c * bs)  # the block's first slot; a negative one holds no written slot
-                if s < 0:
+                if s < 0 or s // bs >= nmark or marked[s // bs] == 0:
                     continue
                 i = np.searchsorted(new, s + max(0, lo - c * bs))
                 if i < m and new[i] < s + bs:
