@@ -9,18 +9,26 @@ import torch
 from kvcanary.engines.token_book import TokenBook
 
 
+def _grow(rng, states, most, prompt_most, runs):
+    """transformers-style request states: up to ``most`` requests, each a prompt then generated
+    tokens a few (or a chunk) at a time; the ones that grew this call."""
+    grown = []
+    for i in range(rng.randint(1, most)):
+        rid = f"t{i}"
+        st = states.setdefault(rid, SimpleNamespace(request_id=rid, generated_tokens=[],
+                                                    initial_tokens=[rng.randrange(999) for _ in range(rng.randint(1, prompt_most))]))
+        st.generated_tokens += [rng.randrange(999) for _ in range(rng.choice(runs))]
+        grown.append(st)
+    return grown
+
+
 def test_updates_and_extends_lay_out_every_stream_as_given():
     rng = random.Random(7)
     book, truth = TokenBook(), {}
     states = {}
     for step in range(40):
-        # transformers-style states: a prompt, then generated tokens one (or a chunk) at a time
-        for i in range(rng.randint(1, 20)):
-            rid = f"t{i}"
-            st = states.setdefault(rid, SimpleNamespace(request_id=rid, generated_tokens=[],
-                                                        initial_tokens=[rng.randrange(999) for _ in range(rng.randint(1, 90))]))
-            st.generated_tokens += [rng.randrange(999) for _ in range(rng.choice([1, 1, 3, 40]))]
-            truth[rid] = st.initial_tokens + st.generated_tokens
+        for st in _grow(rng, states, 20, 90, [1, 1, 3, 40]):
+            truth[st.request_id] = st.initial_tokens + st.generated_tokens
         live = list(states.values())
         upto = [rng.randint(0, len(truth[s.request_id])) for s in live]
         got = book.streams(live, upto, max(upto + [1]))
@@ -56,11 +64,7 @@ def test_a_device_mirror_gets_only_what_changed_and_always_equals_the_record(mon
     book, dev = TokenBook(), torch.device("cpu")
     states = {}
     for step in range(60):
-        for i in range(rng.randint(1, 12)):
-            rid = f"t{i}"
-            st = states.setdefault(rid, SimpleNamespace(request_id=rid, generated_tokens=[],
-                                                        initial_tokens=[rng.randrange(999) for _ in range(rng.randint(1, 40))]))
-            st.generated_tokens += [rng.randrange(999) for _ in range(rng.choice([1, 1, 2, 20]))]
+        _grow(rng, states, 12, 40, [1, 1, 2, 20])
         live = list(states.values())
         shape = book.buf.shape
         new = sum(len(s.initial_tokens) + len(s.generated_tokens) - book.have.get(s.request_id, 0) for s in live)
