@@ -1,0 +1,99 @@
+"""Where a protected transformers forward's canary time goes, stage by stage, inside a live
+continuous-batching run (the demo model, 16 requests, decode-heavy): each stage's time per forward
+and its share of the canary's time, stages nested as the adapter calls them.
+
+    python bench/transformers_stages.py [--threads 1] [--runs 3] [--backend fused]
+
+A stage's time includes its callees (a canary hook includes its compiled call); the two hook totals
+are the canary's time. Each wrapped call adds about a microsecond of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from typing import Any
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--threads", type=int, default=1)
+ap.add_argument("--runs", type=int, default=3)
+ap.add_argument("--backend", default="fused")
+ARGS = ap.parse_args()
+os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))
+
+import torch  # noqa: E402
+
+from kvcanary import CanaryConfig  # noqa: E402
+from kvcanary.canary import Canary  # noqa: E402
+from kvcanary.engines import transformers as cb  # noqa: E402
+from kvcanary.engines import transformers_audit as cb_audit  # noqa: E402
+from kvcanary.engines.transformers import cb_configs, protect, tiny_model  # noqa: E402
+from kvcanary.harm import HarmCounter  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from transformers_cb import prompts  # noqa: E402
+
+spent: dict[str, float] = collections.defaultdict(float)
+# (owner, attribute, stage name): the before hook and its parts, then the after hook and its parts
+STAGES = [
+    (cb.Protection, "_before", "before-forward hook"),
+    (cb.Protection, "build_steps", "  step building"),
+    (cb, "padding_writes", "  padding writes"),
+    (cb.Protection, "_verify_first_reads", "  first reads"),
+    (HarmCounter, "forward", "  harm counter"),
+    (Canary, "before_forward", "  canary.before_forward (verify)"),
+    (cb_audit.CbAudit, "begin", "  audit plan"),
+    (cb.Protection, "_after", "after-forward hook"),
+    (cb_audit.CbAudit, "finish", "  audit checks"),
+    (Canary, "after_forward", "  canary.after_forward (stamp, guard, patrol)"),
+    (cb.Protection, "poll", "  poll (drain, report)"),
+    (cb.Protection, "publish_metrics", "  metrics"),
+]
+
+
+def timed(owner: Any, attr: str, stage: str) -> None:
+    fn = getattr(owner, attr)
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[stage] += time.perf_counter() - t
+
+    setattr(owner, attr, wrapper)
+
+
+def main() -> None:
+    torch.set_num_threads(ARGS.threads)
+    for owner, attr, stage in STAGES:
+        timed(owner, attr, stage)
+    model = tiny_model(seed=0, layers=4, hidden=128)
+    ps = prompts(16, 8, (1, 4))
+    gen, cbc = cb_configs(max_new_tokens=96, num_blocks=256, max_batch_tokens=256)
+    cfg = CanaryConfig(mode="log", backend=ARGS.backend)
+    forwards = 0
+    wall = 0.0
+    for run in range(ARGS.runs + 1):  # the first run warms up
+        if run == 1:
+            spent.clear()
+        with torch.inference_mode(), protect(model, cfg) as guard:
+            t = time.perf_counter()
+            model.generate_batch(ps, generation_config=gen, continuous_batching_config=cbc)
+            if run:
+                wall += time.perf_counter() - t
+                forwards += guard.forwards
+        assert guard.stats()["violations"] == 0 and guard.stats()["internal_errors"] == 0
+    total = spent["before-forward hook"] + spent["after-forward hook"]
+    for _, _, stage in STAGES:
+        print(f"{stage:48s} {spent[stage] / forwards * 1e6:8.1f} us/forward  {spent[stage] / total:6.1%} of the canary")
+    print(json.dumps({"forwards": forwards, "canary_us_per_forward": round(total / forwards * 1e6, 1),
+                      "canary_share_of_run": round(total / wall, 4), "threads": ARGS.threads, "backend": ARGS.backend}))
+
+
+if __name__ == "__main__":
+    main()
