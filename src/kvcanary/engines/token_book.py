@@ -129,7 +129,8 @@ class TokenBook:
             self._replaced(grown)
         if vals:  # numpy indexing: a few microseconds where torch ops on small lists cost tens
             self.buf.numpy()[rr, pp] = vals
-            self._touched(np.asarray(rr, dtype=np.int64), np.asarray(pp, dtype=np.int64))
+            if self._mirrors:  # no index arrays made on a CPU pool's path
+                self._touched(np.asarray(rr, dtype=np.int64), np.asarray(pp, dtype=np.int64))
 
     def _write_runs(self, runs: list[tuple[int, int, list[int]]]) -> None:
         """Each run's tokens into its row with one slice assignment (the buffer is already wide
@@ -138,14 +139,17 @@ class TokenBook:
             b = self.buf.numpy()
             for r, start, tokens in runs:
                 b[r, start : start + len(tokens)] = tokens
-                self._touched(np.full(len(tokens), r, dtype=np.int64), np.arange(start, start + len(tokens)))
+                if self._mirrors:
+                    self._touched(np.full(len(tokens), r, dtype=np.int64), np.arange(start, start + len(tokens)))
 
     def _replaced(self, buf: torch.Tensor) -> None:
         self.buf = buf
         self._dirty = None
 
     def _touched(self, rows: np.ndarray, positions: np.ndarray) -> None:
-        if self._mirrors and self._dirty is not None:
+        """Remember entries written, for the device copies (callers skip making the index arrays
+        where there is none)."""
+        if self._dirty is not None:
             self._dirty.append((rows, positions))
 
     def on(self, device: torch.device | str) -> torch.Tensor:
@@ -191,7 +195,8 @@ class TokenBook:
         stale = np.flatnonzero(have != -1)
         if stale.size:  # a recycled row: only what its last request wrote is cleared
             have[stale] = -1
-            self._touched(np.full(stale.size, r, dtype=np.int64), stale.astype(np.int64))
+            if self._mirrors:
+                self._touched(np.full(stale.size, r, dtype=np.int64), stale.astype(np.int64))
         return r
 
     def forget(self, rid: str) -> None:

@@ -48,14 +48,14 @@ def fill_new(qsl, seq, slot_mapping, valid, cached, new_positions, new_slots):  
             new_slots[t] = slot_mapping[t] if valid[row] else -1
 
 
-def rows_of(md: Any, reqs: list, book: Any) -> tuple[list, list[str], np.ndarray, torch.Tensor]:
+def rows_of(md: Any, reqs: list, book: Any, qsl: np.ndarray, seq: np.ndarray) -> tuple[list, list[str], np.ndarray,
+                                                                                        torch.Tensor]:
     """:func:`~kvcanary.engines.vllm_steps.match_rows`' matching and new tokens: each row's request
     record (None: padding), id and row of the token book, and each new token's id from the book
-    (the drafts are laid over it after)."""
-    qsl = md.query_start_loc.numpy()
+    (the drafts are laid over it after). ``qsl`` and ``seq``: the metadata's query starts and
+    sequence lengths as numpy."""
     r = qsl.shape[0] - 1
     n = int(md.num_actual_tokens)
-    seq = md.seq_lens.numpy()[:r]
     by_slot = {x.first_slot: x for x in reqs}
     if n:
         first = md.slot_mapping.numpy()[:n][np.minimum(qsl[:-1], n - 1)].tolist()

@@ -74,7 +74,7 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
     if _fused(md, fused):
         from kvcanary.engines.vllm_compiled import rows_of
 
-        rows, rids, brows, new = rows_of(md, reqs, book)
+        rows, rids, brows, new = rows_of(md, reqs, book, qsl_np, seq)
     else:
         n = int(md.num_actual_tokens)
         first = md.slot_mapping[:n].long()[md.query_start_loc[:-1].long().clamp(max=max(n - 1, 0))].tolist() if n else [-1] * r
