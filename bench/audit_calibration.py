@@ -1,4 +1,4 @@
-"""Calibration of the read audit's tolerances (:data:`kvcanary.audit.TOLERANCE`): clean errors
+"""Calibration of the read audit's tolerances (:data:`kvcanary.audit.reference.TOLERANCE`): clean errors
 against injected kernel faults' errors, per compute dtype, in units of each query's tolerance.
 
 The read audit recomputes sampled attention queries from the KV cache (fp32 torch ops; fp64 in the
@@ -12,7 +12,7 @@ both as the ratio error / tolerance of each audited query (``Auditor.ratios``; t
 
 - **clean**: randomized transformers continuous-batching configurations
   (:func:`kvcanary.faults.cb_soak.draw_configs`: every architecture of
-  :data:`kvcanary.engines.hf_models.ARCHS`, eager and sdpa attention, GQA, sinks, forks, sampling,
+  :data:`kvcanary.engines.transformers.models.ARCHS`, eager and sdpa attention, GQA, sinks, forks, sampling,
   tight memory, CPU offload, warm managers, shared prefixes, chunked prefill), each also drawing a
   compute dtype (float32, bfloat16, float16; the model is converted with ``model.to(dtype)``), run
   once under ``CanaryConfig(mode="log", content_budget_bytes=None, audit_queries=64)``. Every
@@ -84,7 +84,7 @@ class Recorder:
     forwards' results; the tolerance is the one the audit itself computed, ``ForwardAudit.tol``)."""
 
     def __init__(self, dtype: str) -> None:
-        from kvcanary.audit import TOLERANCE
+        from kvcanary.audit.reference import TOLERANCE
 
         self.base, self.slope = TOLERANCE[DTYPES[dtype]]
         self.guard: Any = None
@@ -217,7 +217,7 @@ def draw_dtypes(n: int, seed: int) -> list[str]:
 
 def run_clean(cfg: Any, dtype: str, factor: float = 1.0) -> dict[str, Any]:
     from kvcanary.config import CanaryConfig
-    from kvcanary.engines.hf_models import tiny_arch
+    from kvcanary.engines.transformers.models import tiny_arch
     from kvcanary.faults.cb_soak import session
 
     t0 = time.perf_counter()
@@ -368,7 +368,7 @@ def main() -> int:
         args.configs, args.fault_seeds = 4, 1
     torch.set_num_threads(1)
 
-    from kvcanary.audit import TOLERANCE
+    from kvcanary.audit.reference import TOLERANCE
     from kvcanary.faults.catalog import BY_NAME
     from kvcanary.faults.cb_soak import draw_configs
     from kvcanary.faults.runner import KERNEL_FAULTS

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from kvcanary import CanaryConfig  # noqa: E402
 from kvcanary.engines import transformers as cb  # noqa: E402
 from kvcanary.engines.transformers import cb_configs, protect, tiny_model  # noqa: E402
-from kvcanary.engines.transformers_hooks import host_io  # noqa: E402
+from kvcanary.engines.transformers.hooks import host_io  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from transformers_cb import prompts  # noqa: E402

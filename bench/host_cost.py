@@ -1,8 +1,8 @@
 """The canary's host cost per forward at the batch sizes GPU servers run, on the CPU.
 
 For each engine adapter's step building (transformers continuous batching: the compiled
-:class:`~kvcanary.engines.transformers_compiled.StepBuilder` from the batch's read and write indices
-and the requests' states; vLLM: :mod:`kvcanary.engines.vllm_steps` from stand-in attention metadata
+:class:`~kvcanary.engines.transformers.compiled.StepBuilder` from the batch's read and write indices
+and the requests' states; vLLM: :mod:`kvcanary.engines.vllm.steps` from stand-in attention metadata
 and the scheduler side's request records), then every canary call of a forward (verify before,
 stamp, guard and patrol after, the drain), times per forward:
 
@@ -142,7 +142,7 @@ class Requests:
 
     def vllm_inputs(self, first: bool) -> tuple[types.SimpleNamespace, list]:
         """vLLM's attention metadata of one KV cache group and the scheduler side's request records."""
-        from kvcanary.engines.vllm_steps import ReqStep
+        from kvcanary.engines.vllm.steps import ReqStep
 
         qsl = np.zeros(self.n + 1, dtype=np.int32)
         np.cumsum(self.q, out=qsl[1:])
@@ -164,7 +164,7 @@ class CbForward:
     """The transformers adapter's per-forward work: the compiled step build, the canary's hooks."""
 
     def __init__(self, canary: Canary) -> None:
-        from kvcanary.engines.transformers_compiled import StepBuilder
+        from kvcanary.engines.transformers.compiled import StepBuilder
 
         self.canary, self.book, self.builder = canary, TokenBook(), StepBuilder()
         self.groups = {"full": types.SimpleNamespace(index=0, stride=BLOCK, tpp=BLOCK, trash=-7, canary=canary)}
@@ -186,7 +186,7 @@ class VllmForward:
         return reqs_.vllm_inputs(first)
 
     def build(self, md: types.SimpleNamespace, reqs: list) -> dict:
-        from kvcanary.engines.vllm_steps import build_step, match_rows
+        from kvcanary.engines.vllm.steps import build_step, match_rows
 
         self.book.extend_all([(r.req_id, r.start, r.tokens) for r in reqs if r.tokens])
         rows = match_rows(md, reqs, self.book)

@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from kvcanary import CanaryConfig  # noqa: E402
 from kvcanary.canary import Canary  # noqa: E402
 from kvcanary.engines import transformers as cb  # noqa: E402
-from kvcanary.engines import transformers_audit as cb_audit  # noqa: E402
+from kvcanary.engines.transformers import audit as cb_audit  # noqa: E402
+from kvcanary.engines.transformers import entry as cb_entry  # noqa: E402
 from kvcanary.engines.transformers import cb_configs, protect, tiny_model  # noqa: E402
 from kvcanary.harm import HarmCounter  # noqa: E402
 
@@ -40,14 +41,14 @@ from transformers_cb import prompts  # noqa: E402
 spent: dict[str, float] = collections.defaultdict(float)
 # (owner, attribute, stage name): the before hook and its parts, then the after hook and its parts
 STAGES = [
-    (cb.Protection, "_before", "before-forward hook"),
+    (cb.Protection.before, "__wrapped__", "before-forward hook"),
     (cb.Protection, "build_steps", "  step building"),
-    (cb, "padding_writes", "  padding writes"),
-    (cb.Protection, "_verify_first_reads", "  first reads"),
+    (cb_entry, "padding_writes", "  padding writes"),
+    (cb.Protection, "verify_first_reads", "  first reads"),
     (HarmCounter, "forward", "  harm counter"),
     (Canary, "before_forward", "  canary.before_forward (verify)"),
     (cb_audit.CbAudit, "begin", "  audit plan"),
-    (cb.Protection, "_after", "after-forward hook"),
+    (cb.Protection.after_forward, "__wrapped__", "after-forward hook"),
     (cb_audit.CbAudit, "finish", "  audit checks"),
     (Canary, "after_forward", "  canary.after_forward (stamp, guard, patrol)"),
     (cb.Protection, "poll", "  poll (drain, report)"),

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from kvcanary import CanaryConfig, Check, KvCorruptionError
-from kvcanary import audit
-from kvcanary.audit import ForwardAudit, Query, attend, check_layer, plan_layers, write_mismatch
-from kvcanary.engines import transformers_audit
-from kvcanary.engines.hf_models import cb_configs, tiny_arch
+from kvcanary.audit import auditor, reference
+from kvcanary.audit.records import ForwardAudit, Query, plan_layers
+from kvcanary.audit.reference import attend, check_layer, write_mismatch
+from kvcanary.engines import audit as engine_audit
+from kvcanary.engines.transformers import audit as transformers_audit
+from kvcanary.engines.transformers.models import cb_configs, tiny_arch
 from kvcanary.engines.transformers import protect, tiny_model
 from kvcanary.faults import runner
 from kvcanary.faults.catalog import BY_NAME, CATALOG, Outcome
@@ -153,8 +155,8 @@ def test_an_audit_failure_never_reaches_the_engine_in_log_mode(monkeypatch, targ
 
     from kvcanary.fused import audit as fused_audit
 
-    owner = {"attend": audit, "write_mismatch": transformers_audit, "plan_layers": transformers_audit,
-             "drain": audit.Auditor, "check_forward": fused_audit}[target]
+    owner = {"attend": reference, "write_mismatch": engine_audit, "plan_layers": transformers_audit,
+             "drain": auditor.Auditor, "check_forward": fused_audit}[target]
     monkeypatch.setattr(owner, target, boom)
     backend = "fused" if owner is fused_audit else "torch"  # each function is reached on its own path
     logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
@@ -174,7 +176,7 @@ def test_an_audit_failure_in_raise_mode_reaches_the_callers_thread(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected failure inside the audit")
 
-    monkeypatch.setattr(audit, "attend", boom)
+    monkeypatch.setattr(reference, "attend", boom)
     gen, cb = cb_configs(max_new_tokens=4)
     logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
     try:
@@ -239,7 +241,7 @@ def test_the_audits_device_work_never_syncs_the_host():
         check_layer(fa, plan, slots, query[0, plan.head, plan.token], out[0, plan.token, plan.head], read,
                     0.3, None, None, (1e-3, 0.0))
     assert half.tolist() == [0, 0]
-    found = audit.Auditor(2, None)
+    found = auditor.Auditor(2, None)
     found.pending.append(fa)
     vs = found.drain()  # random engine outputs: both queries are far off
     assert [v.site for v in vs] == [Site.AUDIT, Site.AUDIT] and [v.position for v in vs] == [19, 29]
@@ -267,10 +269,10 @@ def test_the_compiled_audit_equals_the_torch_reference(arch, dtype):
             logging.getLogger("kvcanary").setLevel(logging.WARNING)
         runs[backend] = g
     f, t = runs["fused"], runs["torch"]
-    assert f.audit._fused and not t.audit._fused
+    assert f.audit.fused and not t.audit.fused
     ef, et = np.array(f.audit.auditor.errors), np.array(t.audit.auditor.errors)
     assert ef.shape == et.shape and len(ef) > 50
-    assert np.allclose(ef, et, rtol=1e-3, atol=audit.tolerance(dtype) / 100)
+    assert np.allclose(ef, et, rtol=1e-3, atol=reference.tolerance(dtype) / 100)
     assert np.allclose(f.audit.auditor.ratios, t.audit.auditor.ratios, rtol=1e-2, atol=1e-2)
     key = lambda v: (v.site, v.step, v.row, v.position, v.aux, v.expected_token)  # noqa: E731
     assert sorted(map(key, f.violations)) == sorted(map(key, t.violations))

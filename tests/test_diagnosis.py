@@ -43,7 +43,7 @@ def test_a_read_of_a_never_written_slot():
     c = Canary(64 * 4, paged_layout(64, 4), CanaryConfig(mode="log"))
     step, _ = random_step(rng, 64 * 4, 4, [(9, 1), (6, 1)])
     c.before_forward(step)  # nothing was ever written: every read is EMPTY
-    evs = annotate(events(c.drain()), c._writer_of)
+    evs = annotate(events(c.drain()), c.writer_of)
     assert evs and {e.diagnosis.kind for e in evs} == {"never_written"}
     assert "no write" in evs[0].diagnosis.evidence
 
@@ -84,7 +84,7 @@ def test_every_rule_has_a_test_that_drives_it_and_a_failing_diagnosis_never_hide
     covered = {"bytes_changed", "slot_reused", "table_shifted", "foreign_slot", "write_position", "write_input",
                "transfer", "never_written", "padding_write", "cache_write", "kernel_read"}
     assert {k for k, _, _ in RULES} == covered
-    import kvcanary.canary as cm
+    import kvcanary.reporting as cm
 
     def boom(*a, **k):
         raise RuntimeError("diagnosis broke")

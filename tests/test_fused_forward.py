@@ -32,8 +32,8 @@ def _state(c):
         "stamps": c.stamps.clone(), "counters": c.ring.counters.clone(), "cursor": c.cursor.clone(),
         "rows": c.ring.rows[: min(int(c.ring.counters[1]), c.ring.rows.shape[0])].clone(),
         "writers": c.writers.clone(), "ledger": (c.ledger.at.copy(), c.ledger.before.copy()) if c.ledger else None,
-        "guard": [t.clone() for t in (c._reserved_base, c._reserved_hit, c._reserved_was, c._reserved_got)],
-        "walk": (c.scrub_cursor, c.scrub_passes, list(c._patrol_visits), c._patrol_walked, c.forwards),
+        "guard": [t.clone() for t in (c.guards.base, c.guards.hit, c.guards.was, c.guards.got)],
+        "walk": (c.scrub_cursor, c.scrub_passes, list(c.walk.visits), c.walk.walked, c.forwards),
     }
 
 

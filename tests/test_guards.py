@@ -28,7 +28,7 @@ def stamp(c, slots, positions):
     slots = torch.tensor(slots)
     c.stamps[slots, 1] = torch.tensor(positions)
     fp = torch.zeros(len(slots), dtype=torch.int64)
-    c._ops["content"](slots, c._table, c.num_slots, fp)
+    c._ops["content"](slots, c.table, c.num_slots, fp)
     c.stamps[slots, 3] = fp
 
 
@@ -40,7 +40,7 @@ def smash(layout, slot):
 def test_a_write_into_a_reserved_slot_is_reported_once_with_its_step(backend):
     c, layout = canary(backend)
     assert c.guard_slots == BS + 1  # the null block, and the pool's first and last slot...
-    assert c._guarded.tolist() == [NB * BS - 1]  # ...of which slot 0 is reserved already
+    assert c.guards.guarded.tolist() == [NB * BS - 1]  # ...of which slot 0 is reserved already
     c.guard()
     assert c.poll() == []  # untouched: nothing
     smash(layout, 2)

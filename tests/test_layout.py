@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvcanary.source import storage_bytes
 from kvcanary import ByteSource, Canary, KvLayout, LayoutError
 from kvcanary import hashing as h
 from kvcanary.layout import MAX_SOURCES
@@ -158,7 +159,7 @@ def test_evenly_spaced_sources_of_one_storage_fuse_into_one_gather():
 
 def _described_words(src, slot):
     """A source's words of one slot straight from the address formula of :mod:`kvcanary.layout`."""
-    raw = src._storage_bytes()
+    raw = storage_bytes(src.tensor)
     base = src.slot_offset(slot)
     runs = []
     for off in src.run_offsets().tolist():

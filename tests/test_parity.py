@@ -264,7 +264,7 @@ def test_fused_written_from_equals_the_torch_construction():
     """Where each row's reads of this step's own writes start (vLLM hands out a prefix-cache hit
     before its KV exists), on random steps where some new tokens write slots other rows read, half
     of them with read windows (a write below a row's window is not a read of it)."""
-    from kvcanary.engines.base import written_from
+    from kvcanary.engines.block_table import written_from
 
     rng = random.Random(5)
     hits = 0

@@ -104,9 +104,9 @@ def test_offloaded_blocks_carry_stamps_and_torn_restore_is_caught(llama, monkeyp
     torn = {}
 
     def tear(prot, runner, batch):  # flip a byte of the host copy of the first offloaded block
-        if torn or not prot._offloaded:
+        if torn or not prot.offloaded_stamps:
             return
-        rid = next(iter(prot._offloaded))
+        rid = next(iter(prot.offloaded_stamps))
         for m in _managers:
             blocks = m._request_id_to_cpu_blocks.get(rid)
             if blocks:
@@ -164,7 +164,7 @@ def test_decode_fast_path_steps_match_the_read_index_steps(llama):
     # cannot run it, so every decode forward of a real run is also described as the fast path
     # would (its block table filled by the cache itself) and both steps must check alike
     from kvcanary import checks
-    from kvcanary.engines.transformers_hooks import host_io
+    from kvcanary.engines.transformers.hooks import host_io
     from kvcanary.violations import NUM_COUNTERS
 
     seen = {"decodes": 0, "reported": 0}
@@ -280,7 +280,7 @@ def test_fused_step_building_equals_the_torch_construction(llama, which):
     seen = {"forwards": 0, "reads": 0}
 
     def compare(prot, runner, batch):
-        from kvcanary.engines.transformers_hooks import host_io
+        from kvcanary.engines.transformers.hooks import host_io
 
         reqs = list(host_io(runner.inputs_and_outputs).requests_in_batch)
         if not reqs:
@@ -366,20 +366,20 @@ def test_a_prefix_hit_verifies_every_byte_of_the_blocks_before_its_first_read(ll
     finds it in that forward, before the read (no harmful read), naming every request that hit it;
     without that check nothing finds it."""
     from kvcanary.engines import transformers as cb
-    from kvcanary.engines.transformers_hooks import host_io
+    from kvcanary.engines.transformers.hooks import host_io
     from kvcanary.faults.transformers_cb import full_group
 
     if not first_read:
-        monkeypatch.setattr(cb.Protection, "_verify_first_reads", lambda self, *a: None)
+        monkeypatch.setattr(cb.Protection, "verify_first_reads", lambda self, *a: None)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
     hit = {}
 
     def flip_before_first_hit(prot, runner, batch):
         for fs in host_io(runner.inputs_and_outputs).requests_in_batch:
             past = fs.state.position_offset - fs.query_length
-            if not hit and fs.state.request_id not in prot._seen and past >= 8 and prot.groups:
+            if not hit and fs.state.request_id not in prot.seen and past >= 8 and prot.groups:
                 g = full_group(prot)
-                slot = g.allocator.block_table[fs.state.request_id][0] * g.tpp + 1
+                slot = g.allocator.block_table[fs.state.request_id][0] * g.block_size + 1
                 g.canary.layout.sources[0].slot_bytes(slot)[0, 5] ^= 4
                 hit.update(rid=fs.state.request_id, slot=slot, forward=prot.forwards)
 
@@ -430,7 +430,7 @@ def test_a_padded_batch_reports_padding_writes_into_live_kv_only(llama):
     """A batch padded to a static size sends its padding tokens' writes to the write trash; the
     adapter passes the padded part of each write index to the canary, which reports a padding write
     that went to a live slot and ignores the trash."""
-    from kvcanary.engines.transformers_steps import padding_writes
+    from kvcanary.engines.transformers.steps import padding_writes
     from kvcanary.faults.transformers_cb import full_group
 
     seen = {}
@@ -444,7 +444,7 @@ def test_a_padded_batch_reports_padding_writes_into_live_kv_only(llama):
             padded = {**batch, "write_index": [torch.cat([w, torch.tensor([g.trash, g.trash])]) for w in
                                                batch["write_index"]]}
             seen["trash"] = padding_writes(prot.groups, padded, steps)
-            stray = torch.tensor([g.trash, (live // g.tpp) * g.stride + live % g.tpp])
+            stray = torch.tensor([g.trash, (live // g.block_size) * g.pages.block_stride + live % g.block_size])
             padded["write_index"] = [torch.cat([w, stray]) for w in batch["write_index"]]
             seen["stray"] = padding_writes(prot.groups, padded, steps)
             seen["live"] = live

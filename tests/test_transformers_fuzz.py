@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvcanary.engines.hf_models import ARCHS, full_layers, tiny_arch
+from kvcanary.engines.transformers.models import ARCHS, full_layers, tiny_arch
 from kvcanary.faults.cb_soak import (MEMORY, CbConfig, count_events, cpu_offload_shim, draw_configs, failure, prompts,
                                      random_cb_config, run_cb_config, session, tokens)
 

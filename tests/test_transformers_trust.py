@@ -16,10 +16,10 @@ from kvcanary import canary as canary_mod
 from kvcanary import checks
 from kvcanary.engines import token_book
 from kvcanary.engines import transformers as cb
-from kvcanary.engines import transformers_hooks as cb_hooks
+from kvcanary.engines.transformers import hooks as cb_hooks
 from kvcanary.engines.transformers import cb_configs, protect, tiny_model
 from kvcanary.faults.transformers_cb import CbFault
-from kvcanary.engines.transformers_compiled import StepBuilder
+from kvcanary.engines.transformers.compiled import StepBuilder
 from kvcanary.fused import ops as fused_ops
 from kvcanary.fused.forward import ForwardArgs
 from kvcanary.violations import ViolationRing
@@ -96,10 +96,11 @@ def test_warm_persistent_manager_reports_nothing_it_never_saw_written(llama):
 
 # every internal function the integration's hooks reach, by (owner, attribute)
 INTERNALS = [
-    (cb.Protection, "build_steps"), (cb.Protection, "_ensure_groups"), (cb.Protection, "poll"),
-    (cb.Protection, "_released"), (cb.Protection, "_offloaded_hook"),
-    (cb.Protection, "_copied"), (cb.Protection, "_restored"), (cb.Protection, "_stamps_of"),
-    (cb.Protection, "_before"), (cb.Protection, "_after"),
+    (cb.Protection, "build_steps"), (cb.Protection, "ensure_groups"), (cb.Protection, "poll"),
+    # a hook's body (kvcanary.engines.base.hook): what the shield around it runs
+    (cb.Protection.released, "__wrapped__"), (cb.Protection.offloaded, "__wrapped__"),
+    (cb.Protection.copied, "__wrapped__"), (cb.Protection.restored, "__wrapped__"), (cb.Protection, "_stamps_of"),
+    (cb.Protection.before, "__wrapped__"), (cb.Protection.after_forward, "__wrapped__"),
     (token_book.TokenBook, "update"), (token_book.TokenBook, "forget_except"), (StepBuilder, "build"),
     (cb_hooks, "to_device"), (cb_hooks, "host_io"),
     (ForwardArgs, "before"), (ForwardArgs, "after"), (fused_ops, "scrub"),

@@ -415,7 +415,9 @@ def test_a_block_size_other_than_the_layouts_page_size_is_refused(backend, monke
         canary.before_forward(step)
     canary.after_forward(row_step(0, 4, [0]))  # the page size: fine
     calls = []
-    monkeypatch.setattr(Canary, "_check_pages", lambda self, s: calls.append(s))
+    from kvcanary import step_check
+
+    monkeypatch.setattr(step_check, "check_pages", lambda s, pages: calls.append(s))
     good = row_step(4, 1, [0, 1])
     canary.before_forward(good)
     assert len(calls) == 1  # monkeypatched: counts calls, the real one memoizes in the step

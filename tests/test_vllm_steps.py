@@ -1,4 +1,4 @@
-"""The vLLM adapter's steps (kvcanary.engines.vllm_steps) on stand-in attention metadata, without vLLM:
+"""The vLLM adapter's steps (kvcanary.engines.vllm.steps) on stand-in attention metadata, without vLLM:
 a sliding window whose freed blocks are handed out again, and speculative decoding's drafts,
 acceptance and rollback. The real engine runs are in tests_vllm/."""
 
@@ -12,8 +12,8 @@ import torch
 from kvcanary import CanaryConfig
 from kvcanary.canary import Canary
 from kvcanary.engines.token_book import TokenBook
-from kvcanary.engines.vllm_groups import plan_groups
-from kvcanary.engines.vllm_steps import ReqStep, block_slots, build_step, match_rows, read_starts, rolled_back
+from kvcanary.engines.vllm.groups import plan_groups
+from kvcanary.engines.vllm.steps import ReqStep, block_slots, build_step, match_rows, read_starts, rolled_back
 from kvcanary.layout import ByteSource, KvLayout
 from kvcanary.violations import Check
 
@@ -193,7 +193,7 @@ def test_groups_are_planned_by_kind_and_state_groups_are_not_covered():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
-    """match_rows and build_step by compiled loops (kvcanary.engines.vllm_compiled) equal the torch
+    """match_rows and build_step by compiled loops (kvcanary.engines.vllm.compiled) equal the torch
     construction field for field, on random batches: prefill chunks and decodes, windows, drafts
     (some not filled in), padding rows (no request, or none scheduled), KV another connector lands,
     tokens the book does not hold yet."""

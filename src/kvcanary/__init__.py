@@ -24,7 +24,8 @@ if TYPE_CHECKING:
         StepError,
         UnsupportedError,
     )
-    from kvcanary.layout import ByteSource, KvLayout
+    from kvcanary.layout import KvLayout
+    from kvcanary.source import ByteSource
     from kvcanary.step import Step
     from kvcanary.violations import Check, Site, Violation
 
@@ -49,7 +50,7 @@ __all__ = [
 
 # public name -> the module that defines it (the imports under TYPE_CHECKING above, for type checkers)
 _HOME = {
-    "ByteSource": "kvcanary.layout",
+    "ByteSource": "kvcanary.source",
     "Canary": "kvcanary.canary",
     "CanaryConfig": "kvcanary.config",
     "Check": "kvcanary.violations",

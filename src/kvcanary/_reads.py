@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from kvcanary import hashing
 from kvcanary.errors import LayoutError
-
-if TYPE_CHECKING:
-    from kvcanary.layout import ByteSource
+from kvcanary.source import ByteSource, storage_bytes
 
 MAX_OVERLAP_RUNS = 1 << 22  # byte runs the overlap check lists per storage; beyond, it is skipped
 _ELEMENT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -124,7 +122,7 @@ class Run:
 
 
 def _elements(s: ByteSource, width: int) -> torch.Tensor:
-    flat = s._storage_bytes()
+    flat = storage_bytes(s.tensor)
     return flat[: flat.shape[0] // width * width].view(_ELEMENT[width])
 
 

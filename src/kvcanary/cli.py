@@ -35,7 +35,7 @@ EXIT_CODES = """exit status:
 def _coverage(st: dict) -> dict[str, float]:
     """The coverage figures of a summary: shares of read slots content-verified and unknown, the
     patrol scrub's passes over the pool and the bound on how long stamped bytes go unverified."""
-    from kvcanary.canary import coverage_of
+    from kvcanary.reporting import coverage_of
 
     c = coverage_of(st)
     return {"content_verified_share": round(c["content_verified"], 4), "unverifiable_share": round(c["unverifiable"], 4),
@@ -281,8 +281,8 @@ def _caused_by(fault: Any, v: Any, guard: Any) -> bool:
         return bool(v.slot == d["slot"])
     if fault.name == "redirect_table_entry":
         return guard.request_of(v) == d["request"]
-    tpp = full_group(guard).tpp  # a reused block shows as another sequence's stamps
-    return bool(v.checks & META) and (v.slot // tpp == d["block"] or guard.request_of(v) in d["readers"])
+    g = full_group(guard)  # a reused block shows as another sequence's stamps
+    return bool(v.checks & META) and (g.block_of(v.slot) == d["block"] or guard.request_of(v) in d["readers"])
 
 
 def _demo(args: argparse.Namespace) -> int:

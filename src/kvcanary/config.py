@@ -66,7 +66,7 @@ class CanaryConfig:
         every forward); the rotation carries on where it stopped
     audit_tolerance : the largest accepted error of an audited query, as a fraction of the largest
         |V| it reads; ``None``: derived from the compute dtype and the query's logit size
-        (:data:`kvcanary.audit.TOLERANCE`)
+        (:data:`kvcanary.audit.reference.TOLERANCE`)
     """
 
     mode: Mode = "log"

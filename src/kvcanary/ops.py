@@ -32,16 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from kvcanary import checks
+from kvcanary.errors import UnsupportedError
 from kvcanary.layout import KvLayout
 from kvcanary.step import Step
-from kvcanary.violations import Site, append_rows
+from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS, Site, append_rows
 
+log = logging.getLogger("kvcanary")
 BACKENDS = ("torch", "fused", "triton")
 ALL, BEFORE_WRITES, AFTER_WRITES = 0, 1, 2  # verify's ``part``
 
@@ -87,9 +91,65 @@ def prepare(backend: str, layout: KvLayout, device: torch.device) -> Any:
     return getattr(importlib.import_module(mod), fn)(layout, device)
 
 
+def resolve_backend(want: str, device: torch.device) -> str:
+    """The backend a canary on ``device`` runs for the configured ``want`` (``"auto"``: fused on a
+    CPU pool where numba works, else torch; Triton on a GPU where it is installed)."""
+    if want == "fused" and device.type != "cpu":
+        raise UnsupportedError(f"backend 'fused' runs on CPU pools; this pool is on {device} (use 'triton')")
+    if want == "fused" or (want == "auto" and device.type == "cpu"):
+        from kvcanary.fused import available
+
+        why = available()
+        if why is None:
+            return "fused"
+        if want == "fused":
+            raise UnsupportedError(f"backend 'fused' needs numba: {why}")
+        log.warning("kvcanary: the fused CPU path is unavailable (%s); using the slower torch path", why)
+        return "torch"
+    if want == "torch":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if want == "triton":
+            raise UnsupportedError("backend 'triton' needs the triton package (pip install triton)") from None
+        return "torch"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"):
+        raise UnsupportedError(
+            "backend 'triton' on a CPU pool runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before kvcanary's kernels are imported, or use backend 'torch'"
+        )
+    return "triton"
+
+
 def load(backend: str) -> dict[str, Callable[..., Any]]:
     """Every op's implementation for ``backend`` (imports the backend's modules)."""
     return {name: op.impl(backend) for name, op in OPS.items()}
+
+
+def restamp_followers(stamp: Callable[..., None], stamps: torch.Tensor, table: Any, step: Step,
+                      unknown_possible: bool) -> None:
+    """Rows whose chain continues from a slot another row wrote in this step seeded from that
+    slot's old stamp: stamp them again (``stamp``: a backend's stamp op) from the new one, until
+    their stamps settle (a follower of a follower needs one pass more). Reads the step on the
+    host, for steps with ``written_from`` only; the passes count nothing and report nothing twice."""
+    cached = step.cached_lens.long()
+    new = step.new_slots.long()
+    num_slots = stamps.shape[0]
+    pred = step.lookup(torch.arange(step.num_rows, device=cached.device), cached - 1)
+    follows = (cached > 0) & torch.isin(pred, new) & step.valid_rows()
+    if not bool(follows.any()):
+        return
+    sub = dataclasses.replace(step, row_valid=follows, written_from=None)
+    row = checks.rows_of(step.new_offsets[1:].long() - step.new_offsets[:-1].long())[0]
+    theirs = new[follows[row] & (new >= 0) & (new < num_slots)]
+    scratch = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=stamps.device)
+    ring = torch.zeros(1, NUM_FIELDS, dtype=torch.int64, device=stamps.device)
+    for _ in range(step.num_rows):
+        was = stamps[theirs]
+        stamp(stamps, table, sub, scratch, ring, unknown_possible=unknown_possible)
+        if torch.equal(stamps[theirs], was):
+            break
 
 
 def part_of(step: Step, part: int) -> Step | None:

@@ -1,11 +1,11 @@
 """What every engine adapter shares: its canaries, the request token book, the shield around the
-canary's own work, the reporting of drained violations, and steps built from a block table.
+canary's own work, and the reporting of drained violations.
 
 An adapter subclasses :class:`Adapter`, says which canaries it runs (:meth:`Adapter.canaries`),
-wraps each engine hook's canary work in :meth:`Adapter.shielded` and hands drained, request-named
-violations to :meth:`Adapter.report`. Engines that describe a forward by a block table, sequence
-lengths, query start offsets and a slot mapping (vLLM; a paged-attention decode path) get their
-:class:`~kvcanary.step.Step` from :func:`step_from_block_table`.
+marks each engine hook whose body is canary work with :func:`hook` (which runs it through
+:meth:`Adapter.shielded`) and hands drained, request-named violations to :meth:`Adapter.report`.
+Engines that describe a forward by a block table get their steps from
+:mod:`kvcanary.engines.block_table`.
 
 Adapter contract, whatever the engine: a failure of the canary's own never reaches the engine
 outside ``raise`` mode (it is counted, and every stamp it may have left stale becomes unknown);
@@ -20,20 +20,39 @@ import contextlib
 import logging
 import time
 import weakref
-from typing import Any, Callable, ContextManager, Iterable
+import functools
+from typing import Any, Callable, ContextManager, Iterable, TypeVar
 
 import torch
 
-from kvcanary.canary import Canary, report
+from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.token_book import TokenBook
 from kvcanary.errors import KvCorruptionError
 from kvcanary.harm import HarmCounter
 from kvcanary.metrics import Metrics, process_metrics, serve
+from kvcanary.reporting import report
 from kvcanary.step import Step
 from kvcanary.violations import Violation
 
 log = logging.getLogger("kvcanary")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def hook(where: str) -> Callable[[F], F]:
+    """An engine hook of an :class:`Adapter`: its body is the canary's work, run by
+    :meth:`Adapter.shielded` (``where`` names it in the log of an internal error), so a failure of
+    the canary's own never reaches the engine outside ``raise`` mode."""
+
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(self: "Adapter", *args: Any, **kwargs: Any) -> Any:
+            # the body looked up on each call (``__wrapped__``), so a test can make it fail
+            return self.shielded(where, wrapper.__wrapped__, self, *args, **kwargs)  # type: ignore[attr-defined]
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
 
 
 class Adapter:
@@ -168,14 +187,14 @@ class Adapter:
         """Where the canary's work runs (the forward's stream, one thread...); override per engine."""
         return contextlib.nullcontext()
 
-    def shielded(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def shielded(self, where: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run the canary's work of one engine hook. A failure of the canary's own never reaches the
         engine outside ``raise`` mode: it is counted, and :meth:`recover` makes every stamp it may
         have left stale unknown, so it never turns into false reports."""
         t0 = time.perf_counter()
         try:
             with self.work_context():
-                return fn(*args)
+                return fn(*args, **kwargs)
         except KvCorruptionError:
             raise  # raise mode only (report records it as pending first)
         except Exception as e:
@@ -245,69 +264,3 @@ def _final_metrics(adapter: "Adapter | None") -> None:
             adapter.publish_metrics(force=True)
     except Exception:  # at exit: nothing to recover, and nothing to raise into
         pass
-
-
-def step_from_block_table(block_table: torch.Tensor, block_size: int, query_start: torch.Tensor,
-                          seq_lens: torch.Tensor, slot_mapping: torch.Tensor, tokens: torch.Tensor,
-                          valid: torch.Tensor, read_starts: torch.Tensor | None = None,
-                          expected_rows: torch.Tensor | None = None, new_tokens: torch.Tensor | None = None) -> Step:
-    """A step from paged-attention metadata: ``R`` rows, ``T`` new tokens.
-
-    Parameters
-    ----------
-    block_table : int ``[>= R, max_blocks]`` each row's blocks
-    query_start : int ``[R + 1]`` cumulative new-token counts
-    seq_lens : int ``[>= R]`` each row's length after this step (cached + new)
-    slot_mapping : int ``[T]`` the slot each new token is written to
-    tokens : int ``[R, width]`` each row's known token stream, -1 where unknown (the new tokens'
-        ids are read from it); with ``expected_rows``, a token record whose row ``expected_rows[r]``
-        is row ``r``'s stream
-    new_tokens : int ``[T]`` the new tokens' ids, where they are not all in ``tokens`` (drafts)
-    valid : bool ``[R]`` rows the adapter matched to a request (others are padding)
-    read_starts : int ``[R]`` the first position each row's attention reads (a sliding window;
-        ``None``: position 0)
-
-    Reads of slots the step itself writes start ``written_from`` (verified after the writes).
-    """
-    qsl = query_start.long()
-    r = qsl.shape[0] - 1
-    q = qsl[1:] - qsl[:-1]
-    cached = seq_lens[:r].long() - q
-    n = int(slot_mapping.shape[0])
-    row = torch.repeat_interleave(torch.arange(r, device=qsl.device), q, output_size=n)
-    pos = cached[row] + (torch.arange(n, device=qsl.device) - qsl[:-1][row])
-    if new_tokens is None:
-        trow = row if expected_rows is None else expected_rows.long()[row]
-        new_tokens = torch.where(pos < tokens.shape[1], tokens[trow, pos.clamp(max=tokens.shape[1] - 1)], -1)
-    step = Step(
-        cached_lens=cached, new_offsets=qsl, new_tokens=new_tokens,
-        new_positions=pos, new_slots=torch.where(valid[row], slot_mapping.long(), -1),
-        block_table=block_table[:r], block_size=block_size, row_valid=valid, expected_tokens=tokens,
-        expected_rows=expected_rows, read_starts=read_starts,
-    )
-    step.written_from = written_from(step)
-    return step
-
-
-def written_from(step: Step, fused: bool | None = None) -> torch.Tensor:
-    """Per row, the first position it reads (``read_starts`` on) whose slot this step writes
-    (``cached_len`` if none).
-    On a CPU step with the fused path available (``fused=None``: whenever it is), one compiled pass
-    over the table entries; otherwise a ``[rows, max cached]`` lookup and ``isin``."""
-    if fused is None:
-        from kvcanary.fused import available
-
-        fused = step.cached_lens.device.type == "cpu" and available() is None
-    if fused:
-        from kvcanary.fused.steps import written_from as fused_written_from
-
-        return fused_written_from(step)
-    cached = step.cached_lens.long()
-    width = max(1, int(cached.max()) if cached.numel() else 1)
-    pos = torch.arange(width, device=cached.device)
-    rows = torch.arange(step.num_rows, device=cached.device)
-    read = step.lookup(rows.repeat_interleave(width), pos.repeat(step.num_rows)).view(step.num_rows, width)
-    inside = (pos[None, :] < cached[:, None]) & (pos[None, :] >= step.starts()[:, None])
-    hit = torch.isin(read, step.new_slots[step.new_slots >= 0]) & inside
-    first = torch.where(hit, pos[None, :], width).min(dim=1).values
-    return torch.minimum(first, cached)

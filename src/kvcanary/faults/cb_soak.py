@@ -1,7 +1,7 @@
 """A randomized clean soak of transformers continuous batching under the canary in raise mode.
 
 Each configuration crosses the engine's features: an architecture of
-:data:`kvcanary.engines.hf_models.ARCHS` (full attention, all-sliding, hybrid sliding + full groups,
+:data:`kvcanary.engines.transformers.models.ARCHS` (full attention, all-sliding, hybrid sliding + full groups,
 eager and sdpa attention, a mixture of experts), forks (``num_return_sequences`` 1-3, sampled),
 sampling, tight memory (evictions and soft resets), CPU offloading, a warm persistent manager whose
 prefix cache already holds blocks written before protection, shared-prefix prompts and chunked
@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from kvcanary.config import CanaryConfig
-from kvcanary.engines.hf_models import ARCHS, WINDOW, cb_configs, full_layers, tiny_arch
+from kvcanary.engines.transformers.models import ARCHS, WINDOW, cb_configs, full_layers, tiny_arch
 
 MEMORY = ("ample", "tight", "offload")  # offload: tight memory with a CPU tier
 TIGHT_TOKENS = 112  # KV tokens each full-attention layer of a tight pool holds: one or two requests

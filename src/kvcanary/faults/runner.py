@@ -141,7 +141,7 @@ def run_scripted(fc: FaultClass, seed: int, table: str = "block", layout: str = 
             hits = [v for v in found if v.checks & fc.checks] if landed_at is not None else []
             if hits and landed_at is not None:
                 fired = sorted({c.name or "" for v in hits for c in Check if c in v.checks})
-                diag = annotate(events(found), canary._writer_of)
+                diag = annotate(events(found), canary.writer_of)
                 kind = next(e.diagnosis.kind for e in diag if any(v in hits for v in e.violations))
                 # reads of this forward were verified before it ran only where a read check caught it
                 before = any(v.site in (Site.VERIFY, Site.FIRST_READ) for v in hits)

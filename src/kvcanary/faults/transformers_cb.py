@@ -11,8 +11,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kvcanary.faults.transformers_kernel import INJECTORS as KERNEL_INJECTORS
 
 
@@ -34,7 +32,7 @@ class CbFault:
                     self.landed_at = self.injected_at
         if self.landed_at is None and self.injected_at is not None:
             g = full_group(prot)
-            written = g.compact(batch["write_index"][g.index]) // g.tpp
+            written = g.compact(batch["write_index"][g.index]) // g.block_size
             if bool((written == self.detail["watch_block"]).any()):  # the block's new owner writes it now
                 self.landed_at = prot.forwards
 
@@ -69,7 +67,7 @@ def flip_shared_byte(prot: Any, runner: Any, batch: dict, rng: random.Random, de
     if picked is None:
         return False
     g, block = picked
-    detail.update(block=block, **_flip_bit(g, block * g.tpp + rng.randrange(g.tpp), rng))
+    detail.update(block=block, **_flip_bit(g, block * g.block_size + rng.randrange(g.block_size), rng))
     return True
 
 
@@ -83,15 +81,15 @@ def redirect_table_entry(prot: Any, runner: Any, batch: dict, rng: random.Random
     for i, fs in enumerate(reqs):
         past = fs.state.position_offset - fs.query_length
         mine = tables.get(fs.state.request_id, [])
-        if past < g.tpp or not read.numel():
+        if past < g.block_size or not read.numel():
             continue
         others = sorted({b for rid, bl in tables.items() if rid != fs.state.request_id for b in bl} - set(mine))
         if not others:
             continue
-        bi = rng.randrange(past // g.tpp)
+        bi = rng.randrange(past // g.block_size)
         foreign = rng.choice(others)
-        start = int(cu_k[i]) + bi * g.tpp
-        read[start : start + g.tpp] = foreign * g.stride + torch.arange(g.tpp)
+        start = int(cu_k[i]) + bi * g.block_size
+        read[start : start + g.block_size] = g.pages.physical(g.pages.block_slots([foreign])).to(read.dtype)
         detail.update(request=fs.state.request_id, block_index=bi, was=mine[bi], now=foreign)
         return True
     return False
@@ -117,11 +115,12 @@ def flip_cold_byte(prot: Any, runner: Any, batch: dict, rng: random.Random, deta
     held = {b for blocks in a.block_table.values() for b in blocks}
     cold = sorted((set(a.ledger.cached_blocks) | set(a.ledger.block_to_hash)) - held)
     pos = g.canary.stamps[:, 1]
-    slots = [b * g.tpp + i for b in cold for i in range(g.tpp) if int(pos[b * g.tpp + i]) >= 0]
+    bs = g.block_size
+    slots = [b * bs + i for b in cold for i in range(bs) if int(pos[b * bs + i]) >= 0]
     if not slots:
         return False
     slot = rng.choice(slots)
-    detail.update(block=slot // g.tpp, cold=True, **_flip_bit(g, slot, rng))
+    detail.update(block=g.block_of(slot), cold=True, **_flip_bit(g, slot, rng))
     return True
 
 

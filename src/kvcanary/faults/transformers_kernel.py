@@ -3,7 +3,7 @@ engine: the classes per-slot stamps cannot see, which the write check and the re
 (:mod:`kvcanary.audit`) exist for.
 
 Each injector installs a tap around one layer's cache update or attention (see
-:class:`kvcanary.engines.transformers_audit.CbAudit`); from the forward it is installed in, the
+:class:`kvcanary.engines.transformers.audit.CbAudit`); from the forward it is installed in, the
 tap misbehaves on every forward, as a kernel bug does. The block tables, the stamps and every
 byte the canary fingerprints stay right: only what the kernel writes or computes is wrong.
 """
@@ -32,10 +32,10 @@ def _row_of(prot: Any, rid: str) -> int | None:
 def _victim(prot: Any, runner: Any, g: Any, need: int, next_page: bool = False) -> str | None:
     """A request of this forward with at least ``need`` cached tokens in group ``g`` (and, with
     ``next_page``, whose every block has a next page inside the pool)."""
-    from kvcanary.engines import transformers_hooks as cb_hooks
+    from kvcanary.engines.transformers.hooks import host_io
 
-    last = g.canary.num_slots // g.tpp - 1
-    for fs in cb_hooks.host_io(runner.inputs_and_outputs).requests_in_batch:
+    last = g.block_of(g.canary.num_slots - 1)
+    for fs in host_io(runner.inputs_and_outputs).requests_in_batch:
         rid = str(fs.state.request_id)
         if fs.state.position_offset - fs.query_length >= need and (
                 not next_page or max(g.allocator.block_table.get(rid, [last]), default=last) < last):
@@ -58,11 +58,10 @@ def read_next_page(prot: Any, runner: Any, batch: dict, rng: random.Random, deta
     if picked is None or not batch["read_index"][picked[0].index].numel():
         return False
     g, layer = picked
-    rid = _victim(prot, runner, g, g.tpp, next_page=True)
+    rid = _victim(prot, runner, g, g.block_size, next_page=True)
     if rid is None:
         return False
-    k_view, v_view = g.allocator._kv_token_views[layer]
-    n = min(k_view.shape[0], v_view.shape[0])
+    geom = g.pages.layer(layer)
 
     def tap(original: Any, cache: Any, key: Any, value: Any, layer_idx: int, kwargs: dict) -> Any:
         k, v = original(cache, key, value, layer_idx, kwargs)
@@ -72,10 +71,10 @@ def read_next_page(prot: Any, runner: Any, batch: dict, rng: random.Random, deta
             return k, v
         k0, cached, _, _ = _cached_columns(kwargs, row)
         if cached > 0:
-            wrong = (read[k0 : k0 + cached].long() + g.stride).clamp(max=n - 1)
+            wrong = (g.compact(read[k0 : k0 + cached]) + g.block_size).clamp(max=geom.num_slots - 1)  # a page on
             k, v = k.clone(), v.clone()
-            k[0, :, k0 : k0 + cached] = k_view[wrong].transpose(0, 1)
-            v[0, :, k0 : k0 + cached] = v_view[wrong].transpose(0, 1)
+            k[0, :, k0 : k0 + cached] = geom.k_rows(wrong).transpose(0, 1)
+            v[0, :, k0 : k0 + cached] = geom.v_rows(wrong).transpose(0, 1)
         return k, v
 
     prot.audit.taps["update"] = tap
@@ -142,15 +141,15 @@ def write_zeros(prot: Any, runner: Any, batch: dict, rng: random.Random, detail:
     if picked is None:
         return False
     g, layer = picked
-    k_view, v_view = g.allocator._kv_token_views[layer]
+    geom = g.pages.layer(layer)
 
     def tap(original: Any, cache: Any, key: Any, value: Any, layer_idx: int, kwargs: dict) -> Any:
         out = original(cache, key, value, layer_idx, kwargs)
         if layer_idx == layer and "write_index" in kwargs:
             write = kwargs["write_index"][g.index].long()
-            write = write[write != g.trash]
-            k_view[write] = 0
-            v_view[write] = 0
+            slots = g.compact(write[write != g.trash])
+            geom.set_rows("k", slots, 0)
+            geom.set_rows("v", slots, 0)
         return out
 
     prot.audit.taps["update"] = tap

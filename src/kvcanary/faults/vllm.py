@@ -22,7 +22,7 @@ forward (each fires once, at the ``at``-th forward or the first later one where 
   cache, found by the patrol scrub before a later prefix hit would serve it).
 
 Attention-kernel and cache-write faults, which the write check and the read audit
-(:mod:`kvcanary.engines.vllm_audit`) exist for; each wraps the first layer's attention from the
+(:mod:`kvcanary.engines.vllm.audit`) exist for; each wraps the first layer's attention from the
 forward it is injected in on, as a kernel bug does, leaving the tables and stamps right:
 
 - ``kernel_read_next_page``: the kernel reads one request's cached blocks one page too far;
@@ -56,7 +56,7 @@ def install(name: str, at: int = 3, seed: int = 0) -> VllmFault:
     persistent fault, :data:`PERSISTENT`, is applied again in every later forward)."""
     from vllm.forward_context import get_forward_context
 
-    from kvcanary.engines.vllm import KvCanaryConnector
+    from kvcanary.engines.vllm.entry import KvCanaryConnector
 
     fault = VllmFault(name, at, seed)
     orig = KvCanaryConnector.bind_connector_metadata
@@ -103,15 +103,9 @@ def _shared(md: Any, meta: Any, rng: random.Random, bs: int) -> tuple[int, list[
 
 
 def _element(conn: Any, layer: str, block: int, head: int, t: int, d: int, half: str) -> tuple[torch.Tensor, int]:
-    """The byte view of one layer and the byte offset of one K or V element (``vec`` layout)."""
-    kv = conn.kv_caches[layer]
-    _, heads, bs, two_d = kv.shape
-    dim = two_d // 2
-    e = kv.element_size()
-    base = (block * heads * 2 * bs * dim + head * 2 * bs * dim) * e
-    off = base + ((d * bs + t) if half == "k" else (bs * dim + t * dim + d)) * e
-    flat = torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage(), kv.storage_offset() * e, (kv.numel() * e,), (1,))
-    return flat, off
+    """The bytes of one layer's storage and the byte offset of one K or V element in them."""
+    geom = conn.geometry[layer]
+    return geom.storage_bytes(), geom.element(half, block * geom.block_size + t, head, d)
 
 
 def _flip(half: str) -> Any:
@@ -180,7 +174,7 @@ def flip_first_read(conn: Any, md: Any, meta: Any, rng: random.Random, detail: d
     bs = conn.block_size
     stamped = conn.canary.stamps[:, 1] >= 0
     for rid, cached, blocks in _rows(md, meta, bs):
-        if rid is None or rid in conn._seen or cached < bs:
+        if rid is None or rid in conn.seen or cached < bs:
             continue  # not a request's first forward with cached KV
         old = [b for b in blocks if b != 0 and bool(stamped[b * bs : (b + 1) * bs].all())]  # written before now
         if not old:
@@ -255,7 +249,7 @@ def flip_cold(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -
 
 def _kernel_layer(conn: Any) -> str | None:
     """The first layer of the first covered KV cache group (audited or not); installs the tap point."""
-    from kvcanary.engines import vllm_audit
+    from kvcanary.engines.vllm import audit as vllm_audit
 
     vllm_audit.install()
     layers = [n for g in conn.groups for n in g.plan.layers if n in conn.kv_caches]
@@ -263,7 +257,7 @@ def _kernel_layer(conn: Any) -> str | None:
 
 
 def _tap(fn: Any) -> None:
-    from kvcanary.engines import vllm_audit
+    from kvcanary.engines.vllm import audit as vllm_audit
 
     vllm_audit.TAPS["forward"] = fn
 
@@ -278,7 +272,7 @@ def kernel_read_next_page(conn: Any, md: Any, meta: Any, rng: random.Random, det
         return False
 
     def tap(original: Any, impl: Any, lay: Any, q: Any, k: Any, v: Any, kv: Any, m: Any, out: Any, *a: Any, **kw: Any) -> Any:
-        rids = conn._rows.rids if conn._rows is not None else []
+        rids = conn.rows.rids if conn.rows is not None else []
         if lay.layer_name == layer and victim in rids:
             row = rids.index(victim)
             cached = int(m.seq_lens[row]) - int(m.query_start_loc[row + 1] - m.query_start_loc[row])
@@ -295,29 +289,21 @@ def kernel_read_next_page(conn: Any, md: Any, meta: Any, rng: random.Random, det
 
 
 def kernel_write_zeros(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
-    from kvcanary.engines.vllm import _cpu_isa
+    from kvcanary.geometry.strided import StridedKv
 
     layer = _kernel_layer(conn)
-    if layer is None:
+    if layer is None or not isinstance(conn.geometry.get(layer), StridedKv):  # vec and vec16 layouts
         return False
+    geom = conn.geometry[layer]
 
     def tap(original: Any, impl: Any, lay: Any, q: Any, k: Any, v: Any, kv: Any, m: Any, out: Any, *a: Any, **kw: Any) -> Any:
         if lay.layer_name == layer:  # the write just ran: its rows become zeros before attention reads them
             slots = m.slot_mapping[: int(m.num_actual_tokens)].long()
             slots = slots[slots >= 0]
-            bs = kv.shape[2]
-            b, t = torch.div(slots, bs, rounding_mode="floor"), slots % bs
-            d = kv.shape[3] // 2
-            kview = kv.as_strided((kv.shape[0], kv.shape[1], d, bs), (kv.stride(0), kv.stride(1), bs, 1), kv.storage_offset())
-            vview = kv.as_strided((kv.shape[0], kv.shape[1], bs, d), (kv.stride(0), kv.stride(1), d, 1),
-                                  kv.storage_offset() + bs * d)
-            kview[b, :, :, t] = 0
-            vview[b, :, t, :] = 0
+            geom.set_rows("k", slots, 0)
+            geom.set_rows("v", slots, 0)
         return original(impl, lay, q, k, v, kv, m, out, *a, **kw)
 
-    kv = conn.kv_caches[layer]
-    if _cpu_isa(kv.dtype, int(kv.shape[2]), int(kv.shape[3]) // 2) not in ("vec", "vec16"):
-        return False
     _tap(tap)
     detail.update(layer=layer)
     return True

@@ -151,7 +151,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
     Returns ``tokens`` (request id, with ``/j`` for the j-th of ``n`` samples -> generated ids),
     ``finish`` (the same keys -> vLLM's finish reason: ``length``, ``stop``, ``error``...),
-    ``events`` (:data:`kvcanary.faults.vllm_events.EVENTS` counted during the run; ``preemptions``
+    ``events`` (:data:`kvcanary.engines.vllm.events.EVENTS` counted during the run; ``preemptions``
     is also at the top level), ``kv_cache`` (the engine's KV cache groups and blocks, in-process
     engines), ``generate_s`` (the timed generate call), ``tokens_generated``, ``threads`` (torch's
     intra-op threads after the run) and, under the canary of an in-process engine, ``stats`` and
@@ -167,7 +167,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     from kvcanary.faults import vllm as faults_vllm
-    from kvcanary.faults import vllm_events
+    from kvcanary.engines.vllm import events as vllm_events
 
     kvc = None
     if cfg.get("canary"):

@@ -33,10 +33,9 @@ def loops() -> dict[str, Any]:
     :func:`available` compiles or loads. Imports the compiled modules."""
     from numba.core.dispatcher import Dispatcher
 
-    from kvcanary.engines import transformers_compiled, vllm_compiled
-    from kvcanary.fused import _core, _step, forward, ops, steps
+    from kvcanary.fused import _core, _step, block_steps, forward, index_steps, ops, steps
 
-    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, transformers_compiled, vllm_compiled)
+    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, index_steps, block_steps)
             for k, v in vars(m).items()
             if isinstance(v, Dispatcher) and v.targetoptions.get("inline") != "always"
             and v.py_func.__module__ == m.__name__}
@@ -61,7 +60,8 @@ def _warm_up() -> None:
 
     from kvcanary.fused import ops, steps
     from kvcanary.fused._core import SourceTable
-    from kvcanary.layout import ByteSource, KvLayout
+    from kvcanary.layout import KvLayout
+    from kvcanary.source import ByteSource
     from kvcanary.step import Step
     from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS
 
@@ -85,7 +85,7 @@ def _warm_up() -> None:
     steps.note_writers(step, torch.full((9, 2), -1, dtype=torch.int64), 8, 0)
     i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
     i32 = lambda *v: np.array(v, dtype=np.int32)  # noqa: E731
-    from kvcanary.engines.transformers_compiled import fill_common, fill_group
+    from kvcanary.fused.index_steps import fill_common, fill_group
 
     e2 = np.zeros((0, 0), dtype=np.int64)
     # the engine's int32 query starts, input ids and positions
@@ -93,7 +93,7 @@ def _warm_up() -> None:
     for table_dtype in (np.int32, np.int64):  # int32 slot tables unless a pool's slot numbers need int64
         fill_group(i64(), i32(0, 1), i64(1), i64(0), i64(0), 8, 8, -1, np.zeros((2, 2), dtype=table_dtype), i64(0),
                    i64(0))
-    from kvcanary.engines.vllm_compiled import fill_new, fill_tokens
+    from kvcanary.fused.block_steps import fill_new, fill_tokens
     from kvcanary.fused import forward
     from kvcanary.fused._step import describe
 

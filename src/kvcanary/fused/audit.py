@@ -13,7 +13,7 @@ Descriptors (int64 arrays, byte addresses and byte strides):
 
 Floats are read as fp32 (code 0), bf16 (1) or fp16 (2) and computed in float64; the write check
 compares raw bits (2 or 4 bytes an element). Both equal the torch reference
-(:func:`kvcanary.audit.attend`, :func:`kvcanary.audit.write_mismatch`) within float rounding.
+(:func:`kvcanary.audit.reference.attend`, :func:`kvcanary.audit.reference.write_mismatch`) within float rounding.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from kvcanary import audit
+from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD_STRIDE, D_TOKEN_STRIDE, F_SCALE,
+                                   F_SOFTCAP, F_TOL_BASE, F_TOL_SLOPE, FLOATS_PER_LAYER, L_CODE, L_DIM, L_ESIZE,
+                                   L_HEADS, L_K, L_MAX_SLOT, L_QCODE, L_STEP, L_V, LAYER_COLUMNS, PTR_K, PTR_O, PTR_Q,
+                                   PTR_V, Q_CACHED, Q_HEAD, Q_KV_HEAD, Q_LAYER, Q_LOCAL, Q_PICKED, Q_POSITION, Q_ROW,
+                                   Q_SINK, Q_START, Q_TOKEN, S_K, S_O, S_Q, S_V)
 from kvcanary.fused._core import JIT, ld_i64, ld_u8, ld_u16, ld_u32
 from kvcanary.fused._step import NS, lookup, rd
 from kvcanary.fused.cache import njit
-
-DTYPES = audit.DTYPES
 
 
 @intrinsic
@@ -117,7 +119,7 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     """One query's error against attention over positions ``[lo, p]`` of row ``r`` (the cached ones
     read ``shift`` blocks on), -1 where a position has no slot in the pool, and its
     probability-weighted mean |logit|. ``row``: scratch of the head size."""
-    bs = ck[1]
+    bs = ck[D_BLOCK]
     n = p - lo + 1
     nd = qv.shape[0]
     mx = -math.inf
@@ -128,7 +130,8 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
         if shift != 0 and lo + j < cached:
             s = min(max(s + shift * bs, 0), limit)
         slots[j] = s
-        load_row(ck[0] + (s // bs) * ck[2] + (s % bs) * ck[3] + kvh * ck[4], ck[5], dt, row)
+        load_row(ck[0] + (s // bs) * ck[D_BLOCK_STRIDE] + (s % bs) * ck[D_TOKEN_STRIDE] + kvh * ck[D_HEAD_STRIDE],
+                 ck[D_DIM_STRIDE], dt, row)
         x = 0.0
         for d in range(nd):
             x += qv[d] * row[d]
@@ -151,7 +154,8 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     vmax = 0.0
     for j in range(n):
         s = slots[j]
-        load_row(cv[0] + (s // bs) * cv[2] + (s % bs) * cv[3] + kvh * cv[4], cv[5], dt, row)
+        load_row(cv[0] + (s // bs) * cv[D_BLOCK_STRIDE] + (s % bs) * cv[D_TOKEN_STRIDE] + kvh * cv[D_HEAD_STRIDE],
+                 cv[D_DIM_STRIDE], dt, row)
         w = logits[j] / den
         for d in range(nd):
             out[d] += w * row[d]
@@ -165,43 +169,33 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     return err / max(vmax, 1e-30), weighted / den
 
 
-def step_desc(step: torch.Tensor) -> np.ndarray:
-    """A step's descriptor (:func:`kvcanary.fused._step.describe`), for :func:`audit_queries`'s ``steps``."""
-    from kvcanary.fused._step import describe
-
-    return describe(step)  # type: ignore[arg-type]
-
-
 @njit(**JIT)
 def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, shift, tols,
                   gathered):  # type: ignore[no-untyped-def]
-    """Every layer's write check and audited queries of one forward in one call.
+    """Every layer's write check and audited queries of one forward in one call (the tables' columns:
+    :mod:`kvcanary.audit.tables`).
 
-    ``layers[l]``: layer ``l``'s cache K and V (cache descriptors, 6 each), then the index of its
-    step in ``steps`` (its table and new slots), the cache's float code, the element size, the KV
-    heads, the head size, the largest slot, the queries' float code. ``ptrs[l]``: the addresses of
-    its computed K and V (0: no write check) and of its queries and outputs (0: no audit) this
-    forward; ``strides``: their token, head and channel strides in bytes (K, V, queries, outputs).
-    ``toks``: the batch tokens whose writes are checked: ``half[l, i]`` says whether token
-    ``toks[i]``'s computed K (bit 1) and V (bit 2) rows differ from the cache's rows at its slot,
-    ``head[l, i]`` the first KV head that differs.
+    ``layers``: the layer table (``[L, LAYER_COLUMNS]``); ``ptrs[l]``: the addresses of layer
+    ``l``'s computed K and V (0: no write check) and of its queries and outputs (0: no audit) this
+    forward; ``strides``: their token, head and dim strides in bytes; ``steps``: the step
+    descriptors the layers' ``L_STEP`` name. ``toks``: the batch tokens whose writes are checked:
+    ``half[l, i]`` says whether token ``toks[i]``'s computed K (bit 1) and V (bit 2) rows differ
+    from the cache's rows at its slot, ``head[l, i]`` the first KV head that differs.
 
-    ``qt[s]``: audited query ``s``'s index in the forward's list, layer ``l``, step row, batch
-    token, head, KV head, position, window start, the row's tokens cached before this forward, its
-    sink logit's index in ``fl`` (-1: none) and its index among its layer's queries (the row of
-    the queries and outputs where they are the sampled rows only, ``gathered``). ``fl[4 * l : 4 * l
-    + 4]``: layer ``l``'s scale, soft-cap (0: none), and tolerance base and slope
-    (:data:`kvcanary.audit.TOLERANCE`). Fills ``err`` with each query's error
-    (:func:`kvcanary.audit.error`; -1: a position without a slot), ``tols`` with its tolerance,
-    and ``shift`` with +1 or -1 where reading every cached block one page on or back gives the
-    engine's output (tried above the tolerance only)."""
+    ``qt``: the query table (``[S, QUERY_COLUMNS]``); ``fl``: the float table (each layer's scale,
+    soft-cap, tolerance base and slope, then the sinks' logits); ``gathered``: the queries and
+    outputs hold the sampled rows only (a query's ``Q_LOCAL`` row). Fills ``err`` with each query's
+    error (:func:`kvcanary.audit.reference.error`; -1: a position without a slot), ``tols`` with its
+    tolerance, and ``shift`` with +1 or -1 where reading every cached block one page on or back
+    gives the engine's output (tried above the tolerance only)."""
     for lay in range(layers.shape[0]):
         c = layers[lay]
-        ka, va = ptrs[lay, 0], ptrs[lay, 1]
+        ka, va = ptrs[lay, PTR_K], ptrs[lay, PTR_V]
         if ka == 0:
             continue
-        step = steps[c[12]]
-        esz, nh, nd, bs = c[14], c[15], c[16], c[1]
+        step = steps[c[L_STEP]]
+        esz, nh, nd = c[L_ESIZE], c[L_HEADS], c[L_DIM]
+        kbs, vbs = c[L_K + D_BLOCK], c[L_V + D_BLOCK]
         for i in range(toks.shape[0]):
             t = toks[i]
             s = rd(step, NS, t)
@@ -209,15 +203,17 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
             head[lay, i] = 0
             if s < 0:
                 continue
-            kb = c[0] + (s // bs) * c[2] + (s % bs) * c[3]
-            vb = c[6] + (s // c[7]) * c[8] + (s % c[7]) * c[9]
+            kb = c[L_K] + (s // kbs) * c[L_K + D_BLOCK_STRIDE] + (s % kbs) * c[L_K + D_TOKEN_STRIDE]
+            vb = c[L_V] + (s // vbs) * c[L_V + D_BLOCK_STRIDE] + (s % vbs) * c[L_V + D_TOKEN_STRIDE]
             hf = 0
             first = -1
             for h in range(nh):
-                if _differs(ka + t * strides[0] + h * strides[1], strides[2], kb + h * c[4], c[5], esz, nd):
+                if _differs(ka + t * strides[S_K] + h * strides[S_K + 1], strides[S_K + 2], kb + h * c[L_K + D_HEAD_STRIDE],
+                            c[L_K + D_DIM_STRIDE], esz, nd):
                     hf |= 1
                     first = h if first < 0 else first
-                if _differs(va + t * strides[3] + h * strides[4], strides[5], vb + h * c[10], c[11], esz, nd):
+                if _differs(va + t * strides[S_V] + h * strides[S_V + 1], strides[S_V + 2], vb + h * c[L_V + D_HEAD_STRIDE],
+                            c[L_V + D_DIM_STRIDE], esz, nd):
                     hf |= 2
                     first = h if first < 0 else first
             half[lay, i] = hf
@@ -227,8 +223,8 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
     width = 1
     nd_max = 1
     for s in range(qt.shape[0]):
-        width = max(width, qt[s, 6] - qt[s, 7] + 1)
-        nd_max = max(nd_max, layers[qt[s, 1], 16])
+        width = max(width, qt[s, Q_POSITION] - qt[s, Q_START] + 1)
+        nd_max = max(nd_max, layers[qt[s, Q_LAYER], L_DIM])
     logits = np.empty(width, dtype=np.float64)
     slots = np.empty(width, dtype=np.int64)
     out = np.empty(nd_max, dtype=np.float64)
@@ -236,30 +232,32 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
     ov = np.empty(nd_max, dtype=np.float64)
     scratch = np.empty(nd_max, dtype=np.float64)
     for s in range(qt.shape[0]):
-        k, lay, r, tok, hd, kvh, p, lo, cached, si = (qt[s, 0], qt[s, 1], qt[s, 2], qt[s, 3], qt[s, 4], qt[s, 5],
-                                                      qt[s, 6], qt[s, 7], qt[s, 8], qt[s, 9])
+        k, lay, r, tok, hd, kvh = qt[s, Q_PICKED], qt[s, Q_LAYER], qt[s, Q_ROW], qt[s, Q_TOKEN], qt[s, Q_HEAD], qt[s, Q_KV_HEAD]
+        p, lo, cached, si = qt[s, Q_POSITION], qt[s, Q_START], qt[s, Q_CACHED], qt[s, Q_SINK]
         c = layers[lay]
-        qa, oa = ptrs[lay, 2], ptrs[lay, 3]
+        qa, oa = ptrs[lay, PTR_Q], ptrs[lay, PTR_O]
         if qa == 0:
             continue
-        nd, dq = c[16], c[18]
-        ck, cv, step = c[0:6], c[6:12], steps[c[12]]
-        scale, softcap, base, slope = fl[4 * lay], fl[4 * lay + 1], fl[4 * lay + 2], fl[4 * lay + 3]
+        nd, dq = c[L_DIM], c[L_QCODE]
+        ck, cv, step = c[L_K:L_K + 6], c[L_V:L_V + 6], steps[c[L_STEP]]
+        f0 = FLOATS_PER_LAYER * lay
+        scale, softcap = fl[f0 + F_SCALE], fl[f0 + F_SOFTCAP]
+        base, slope = fl[f0 + F_TOL_BASE], fl[f0 + F_TOL_SLOPE]
         qs, os_, row = qv[:nd], ov[:nd], scratch[:nd]
-        tq, hq = (qt[s, 10], 0) if gathered else (tok, hd)
-        load_row(qa + tq * strides[6] + hq * strides[7], strides[8], dq, qs)
-        load_row(oa + tq * strides[9] + hq * strides[10], strides[11], dq, os_)
+        tq, hq = (qt[s, Q_LOCAL], 0) if gathered else (tok, hd)
+        load_row(qa + tq * strides[S_Q] + hq * strides[S_Q + 1], strides[S_Q + 2], dq, qs)
+        load_row(oa + tq * strides[S_O] + hq * strides[S_O + 1], strides[S_O + 2], dq, os_)
         has_sink = si >= 0
         sink = fl[si] if has_sink else 0.0
-        e, mean = _error(ck, cv, c[13], qs, os_, step, r, lo, p, kvh, cached, 0, c[17], scale, softcap, sink,
-                         has_sink, logits, slots, out, row)
+        e, mean = _error(ck, cv, c[L_CODE], qs, os_, step, r, lo, p, kvh, cached, 0, c[L_MAX_SLOT], scale, softcap,
+                         sink, has_sink, logits, slots, out, row)
         tol = base + slope * mean
         err[k] = e
         tols[k] = tol
         shift[k] = 0
         if e > tol:
             for sh in (1, -1):
-                if _error(ck, cv, c[13], qs, os_, step, r, lo, p, kvh, cached, sh, c[17], scale, softcap, sink,
-                          has_sink, logits, slots, out, row)[0] <= tol:
+                if _error(ck, cv, c[L_CODE], qs, os_, step, r, lo, p, kvh, cached, sh, c[L_MAX_SLOT], scale, softcap,
+                          sink, has_sink, logits, slots, out, row)[0] <= tol:
                     shift[k] = sh
                     break

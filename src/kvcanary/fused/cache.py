@@ -110,8 +110,7 @@ def njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
 
 # modules outside the fused package whose values the loops inline as constants (the hashing
 # constants, sentinel positions, counter and check numbers, slot limits) or that hold loops
-_INLINED = ("hashing.py", "step.py", "checks.py", "violations.py", "audit.py", "engines/transformers_compiled.py",
-            "engines/vllm_compiled.py")
+_INLINED = ("hashing.py", "step.py", "checks.py", "violations.py", "audit/reference.py", "audit/tables.py")
 _digest: list[str] = []
 
 

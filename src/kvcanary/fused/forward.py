@@ -90,10 +90,11 @@ class ForwardArgs:
     def __init__(self, canary: Any) -> None:
         c = canary
         n = c.num_slots
-        self._keep = (c.stamps, c.ring, c.cursor, c.writers, c._guard_all, c._table)
+        g = c.guards
+        self._keep = (c.stamps, c.ring, c.cursor, c.writers, g.every, c.table)
         ring = c.ring.rows
         cap = ring.shape[0]
-        table = c._table
+        table = c.table
         ledger = c.ledger
         self.led = (ledger.at, ledger.before) if ledger is not None else (_NO_LEDGER, _NO_LEDGER)
         self.head = (checked_out(c.stamps, (n, 4)), n, table.src, table.runs, table.keys,
@@ -101,11 +102,10 @@ class ForwardArgs:
         self.ring = (checked_out(ring, tuple(ring.shape)), cap, table.bytes_per_slot)
         self.cursor = checked_out(c.cursor, (1,))
         self.writers = c.writers.numpy()
-        nres = int(c._reserved.shape[0])
-        ng = int(c._guard_all.shape[0])
-        guard_state = [checked_out(t, (nres,)) for t in (c._reserved_base, c._reserved_hit, c._reserved_was,
-                                                           c._reserved_got)]
-        self.guard = (checked_out(c._guard_all, (ng,)) if ng else 0, nres, ng, *guard_state)
+        nres = int(g.reserved.shape[0])
+        ng = int(g.every.shape[0])
+        guard_state = [checked_out(t, (nres,)) for t in (g.base, g.hit, g.was, g.got)]
+        self.guard = (checked_out(g.every, (ng,)) if ng else 0, nres, ng, *guard_state)
 
     def before(self, d: np.ndarray, content_slots: int, part: int, check: bool, forward: int) -> int:
         return int(_before(d, *self.head, self.cursor, content_slots, *self.ring, part, check, *self.led, forward))

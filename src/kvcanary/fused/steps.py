@@ -1,6 +1,6 @@
 """Step pieces for engine adapters on CPU pools, as compiled loops, each equal to the torch
 construction it replaces: where each row's reads of this step's own writes start
-(:func:`kvcanary.engines.base.written_from`, vLLM), and each written slot's last writer."""
+(:func:`kvcanary.engines.block_table.written_from`, vLLM), and each written slot's last writer."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _written_from(d, out):  # type: ignore[no-untyped-def]
 
 
 def written_from(step: Step, out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`kvcanary.engines.base.written_from` on a CPU step: per row, the first position of its
+    """:func:`kvcanary.engines.block_table.written_from` on a CPU step: per row, the first position of its
     read window whose slot this step writes (``cached_len`` if none), by one pass over each row's table
     entries against the sorted written slots. ``out``: int64 ``[R]`` to fill (it may be the step's own
     ``written_from``, which the pass does not read: the step's checked shapes and descriptor stay)."""

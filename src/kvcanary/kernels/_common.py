@@ -15,7 +15,8 @@ import triton.language as tl
 
 from kvcanary import hashing
 from kvcanary.errors import LayoutError
-from kvcanary.layout import LOAD_WIDTH, ByteSource, KvLayout
+from kvcanary.layout import KvLayout
+from kvcanary.source import LOAD_WIDTH, ByteSource
 
 # per source, in 16-byte units where a length: address (from the table's own), page_size (slots),
 # page_stride, token_stride; per tile: source, word offset in the slot, key index of its first word,

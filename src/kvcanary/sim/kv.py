@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from kvcanary.layout import ByteSource, KvLayout
+from kvcanary.layout import KvLayout
+from kvcanary.source import ByteSource
+from kvcanary.sim.spec import EngineSpec
 
-if TYPE_CHECKING:
-    from kvcanary.sim.engine import EngineSpec
 
-
-def make_kv(spec: "EngineSpec") -> tuple[list[list[torch.Tensor]], KvLayout]:
+def make_kv(spec: EngineSpec) -> tuple[list[list[torch.Tensor]], KvLayout]:
     """Per-layer KV tensors, int16 row views indexed by slot, and the layout describing them."""
     nb, bs, h, d = spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim
     n = nb * bs

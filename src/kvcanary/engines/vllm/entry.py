@@ -4,24 +4,24 @@
     LLM(model=..., kv_transfer_config={"kv_connector": "KvCanaryConnector", "kv_role": "kv_both"})
 
 The name resolves through kvcanary's ``vllm.general_plugins`` entry point
-(:func:`kvcanary.engines.vllm_plugin.register`), loaded in every vLLM process. Configuration comes
+(:func:`kvcanary.engines.vllm.plugin.register`), loaded in every vLLM process. Configuration comes
 from the ``KVCANARY_*`` variables (default mode ``log``); ``KVCANARY_VIOLATIONS_LOG`` collects every
 worker's events in one JSONL file. With another connector, list both under vLLM's
 ``MultiConnector``; the canary verifies what the other one lands.
 
 The connector declares vLLM's ``SupportsHMA``, so turning it on leaves the hybrid KV cache manager,
 the KV cache groups and the pool as vLLM builds them; each worker runs one canary per KV cache group
-(:mod:`kvcanary.engines.vllm_groups`).
+(:mod:`kvcanary.engines.vllm.groups`).
 
-Scheduler side (engine core, :mod:`kvcanary.engines.vllm_sched`): ships, per step, each scheduled
+Scheduler side (engine core, :mod:`kvcanary.engines.vllm.scheduler`): ships, per step, each scheduled
 request's new committed token ids, the draft tokens its forward writes (speculative decoding), its
 computed-token count, where rejected drafts were rolled back, and the slot of its first new token;
 and the blocks vLLM zeroes or copies. Worker side (each worker and tensor-parallel rank): at ``bind_connector_metadata``, inside the forward
 context, it builds each group's step from that group's attention metadata
-(:mod:`kvcanary.engines.vllm_steps`) and verifies every cached slot each request reads; reads of
+(:mod:`kvcanary.engines.vllm.steps`) and verifies every cached slot each request reads; reads of
 slots that another request of the batch computes in this same forward (a prefix-cache hit handed out
 before its KV exists) are left to ``wait_for_save``, which stamps the written slots and then
-verifies those. Beside a connector that stores and loads KV: :mod:`kvcanary.engines.vllm_transfer`.
+verifies those. Beside a connector that stores and loads KV: :mod:`kvcanary.engines.vllm.transfer`.
 """
 
 from __future__ import annotations
@@ -40,17 +40,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvcanary import layouts
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
-from kvcanary.engines.base import Adapter
-from kvcanary.engines import vllm_heal, vllm_transfer
-from kvcanary.engines.vllm_audit import VllmAudit
-from kvcanary.engines.vllm_groups import GroupPlan, plan_groups, single_group
-from kvcanary.engines.vllm_sched import CanaryMeta, SchedulerSide
-from kvcanary.engines.vllm_steps import (ReqStep, Rows, block_slots, build_step, match_rows, rolled_back,
+from kvcanary.engines.base import Adapter, hook
+from kvcanary.engines.vllm import heal as vllm_heal
+from kvcanary.engines.vllm.audit import VllmAudit
+from kvcanary.engines.vllm.groups import GroupPlan, plan_groups, single_group
+from kvcanary.engines.vllm.scheduler import CanaryMeta, SchedulerSide
+from kvcanary.engines.vllm.steps import (ReqStep, Rows, block_slots, build_step, match_rows, rolled_back,
                                          written_by)
+from kvcanary.engines.vllm.transfer import TransferSide
 from kvcanary.errors import UnsupportedError
+from kvcanary.geometry.base import KvGeometry
+from kvcanary.geometry.vllm_cpu import ISAS, vllm_cpu
+from kvcanary.layout import KvLayout
 from kvcanary.step import Step
 from kvcanary.violations import Site, Violation
 
@@ -69,7 +72,7 @@ class _Group:
     step: Step | None = None
 
 
-class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter):
+class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, SupportsHMA, Adapter):
     """vLLM V1 KV connector that runs kvcanary on every worker. Loads and saves no KV itself."""
 
     engine = "vllm"
@@ -103,11 +106,12 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         # worker side
         self.groups: list[_Group] = []
         self.forwards = 0
-        self._rows: Rows | None = None
+        self.rows: Rows | None = None  # this forward's rows, matched to their requests
         self._history: dict[int, list[str]] = {}  # forward -> its rows' request ids (the diagnosis' writers)
-        self._seen: set[str] = set()  # requests whose first read of cached KV was verified
-        self._meta = CanaryMeta()
+        self.seen: set[str] = set()  # requests whose first read of cached KV was verified
+        self.meta = CanaryMeta()  # this forward's metadata from the scheduler side
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self.geometry: dict[str, KvGeometry] = {}  # each covered layer's cache (kvcanary.geometry)
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.audit = VllmAudit(self, int(heads))  # the write check and read audit in each attention layer
 
@@ -116,10 +120,11 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
     @property
     def canary(self) -> Canary | None:
         """The primary KV cache group's canary (the only one of a model with one group)."""
-        g = self._group(self.primary)
+        g = self.group(self.primary)
         return g.canary if g is not None else None
 
-    def _group(self, index: int) -> _Group | None:
+    def group(self, index: int) -> _Group | None:
+        """The worker's KV cache group ``index`` (``None``: not covered)."""
         return next((g for g in self.groups if g.plan.index == index), None)
 
     def canaries(self) -> list[Canary]:
@@ -130,7 +135,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
 
     def fault_layers(self) -> list[str]:
         """The primary group's fingerprinted layers (where the fault injectors corrupt bytes)."""
-        g = self._group(self.primary)
+        g = self.group(self.primary)
         return list(g.plan.layers) if g is not None else []
 
     def request_at(self, step: int, row: int) -> str | None:
@@ -141,10 +146,8 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         return {"engine": self.engine, "tp_rank": str(self.rank), "pp_rank": str(_pp_rank()),
                 "dp_rank": str(getattr(self._vllm_config.parallel_config, "data_parallel_rank", 0))}
 
+    @hook("register_kv_caches")
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.shielded("register_kv_caches", self._register, kv_caches)
-
-    def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = kv_caches
         plans = self.plans or single_group(self.block_size, list(kv_caches))
         covered = [p for p in plans if p.covered]
@@ -154,27 +157,29 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         for p in covered:
             name = "kv" if len(covered) == 1 else f"g{p.index}"
             self.groups.append(_Group(p, name, self._canary_for(p, kv_caches)))
-        self.audit.register(self.groups, lambda t: _cpu_isa(t.dtype, int(t.shape[2]), int(t.shape[3]) // 2), kv_caches)
+        self.audit.register(self.groups, self.geometry)
 
     def _canary_for(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor]) -> Canary:
-        """A group's canary: its layers' bytes described by the CPU kernels' layout, the null block
+        """A group's canary: its layers' bytes described by the CPU kernels' geometry, the null block
         (block 0, which tables pad with and nothing may write) reserved."""
-        tensors = [kv_caches[n] for n in plan.layers if n in kv_caches]
+        names = [n for n in plan.layers if n in kv_caches]
         bs = plan.block_size
-        if not tensors:  # a group of draft layers only: positions are checked, no bytes
+        if not names:  # a group of draft layers only: positions are checked, no bytes
             some = next(iter(kv_caches.values()))
             return Canary(int(some.shape[0]) * bs, None, self.config)
-        t = tensors[0]
+        t = kv_caches[names[0]]
         if t.dim() != 4 or t.device.type != "cpu" or t.shape[2] != bs:
             raise UnsupportedError(f"vLLM KV cache of {plan.describe()}: expected the CPU backend's [num_blocks, "
                                    f"kv_heads, {bs}, 2 * head_dim] tensors, got shape {tuple(t.shape)} on {t.device}")
         num_blocks, heads, _, two_d = t.shape
         isa = _cpu_isa(t.dtype, bs, two_d // 2)
-        build = {"vec": layouts.vllm_cpu_vec, "vec16": layouts.vllm_cpu_vec, "amx": layouts.vllm_cpu_amx}.get(isa)
-        if build is None:
+        if isa not in ISAS:
             raise UnsupportedError(f"vLLM CPU attention kernels {isa!r}: kvcanary describes the KV layouts of "
                                    f"'vec', 'vec16' and 'amx', not this one; the canary is off on this worker")
-        layout = dataclasses.replace(build(tensors, bs, heads, two_d // 2), reserved=tuple(range(bs)))
+        layers = [vllm_cpu(kv_caches[n], isa, bs, heads, two_d // 2, i) for i, n in enumerate(names)]
+        self.geometry.update(zip(names, layers))
+        layout = KvLayout(tuple(s for i, g in enumerate(layers) for s in g.sources(f"layer{i}")),
+                          reserved=tuple(range(bs)))
         return Canary(num_blocks * bs, layout, self.config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -182,7 +187,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         for g in self.groups:
             g.step = None
         if self.groups and isinstance(connector_metadata, CanaryMeta):
-            self.shielded("the before-forward check", self._before, connector_metadata)
+            self.before_forward(connector_metadata)
 
     def metadata(self, by_layer: Any, index: int) -> Any:
         """KV cache group ``index``'s attention metadata in this forward (``None``: none), from the
@@ -198,12 +203,15 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
                 return md
         return None
 
-    def _before(self, meta: CanaryMeta) -> None:
+    @hook("the before-forward check")
+    def before_forward(self, meta: CanaryMeta) -> None:
+        """Build each group's step of this forward from its attention metadata and verify every
+        cached slot the forward reads."""
         from vllm.forward_context import get_forward_context
 
         for rid in meta.finished:
             self.book.forget(rid)
-            self._seen.discard(rid)
+            self.seen.discard(rid)
             self.heal.forget(rid)
             self.harm.forget(rid)
         self.book.extend_all([(r.req_id, r.start, r.tokens) for r in meta.reqs if r.tokens])
@@ -220,7 +228,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         if mds.get(self.primary) is None:
             return  # a dummy forward (profiling, warm-up): nothing to check
         rows = match_rows(mds[self.primary], meta.reqs, self.book)
-        self._rows, self._meta = rows, meta
+        self.rows, self.meta = rows, meta
         # the tokens each row samples: its last sampled token and its drafts, where it reaches the end
         self.harm.forward(self.groups[0].canary.step_id, {
             x.req_id: 1 + len(x.drafts) for x in rows.reqs
@@ -242,7 +250,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         for g in live:
             assert g.step is not None
             g.canary.before_forward(g.step)
-        self.audit.begin(live, rows)
+        self.audit.begin(live, rows, self.forwards)
 
     def _release_other_groups(self, live: list[_Group]) -> None:
         """Block ids are shared by every KV cache group and the groups' layers overlay one memory: a
@@ -264,12 +272,12 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         positions its kernel reads (up to the positions this same step writes or another connector
         lands, which are checked as they are written or land)."""
         self.forget_first_reads()
-        if not set(rows.rids).difference(self._seen, ("",)):
+        if not set(rows.rids).difference(self.seen, ("",)):
             return  # no request new to this worker
         for i, rid in enumerate(rows.rids):
-            if not rid or rid in self._seen:
+            if not rid or rid in self.seen:
                 continue
-            self._seen.add(rid)
+            self.seen.add(rid)
             for g in live:
                 step = g.step
                 assert step is not None and step.written_from is not None
@@ -279,11 +287,14 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
 
     def wait_for_save(self) -> None:
         if any(g.step is not None for g in self.groups):
-            self.shielded("the after-forward check", self._after)
+            self.after_forward()
 
-    def _after(self) -> None:
-        assert self._rows is not None
-        rows = self._rows
+    @hook("the after-forward check")
+    def after_forward(self) -> None:
+        """Stamp every group's written slots, verify the reads of this forward's own writes, run the
+        patrol's share, then report and heal what the forward's checks found."""
+        assert self.rows is not None
+        rows = self.rows
         found: list[Violation] = []
         for g in self.groups:
             if g.step is None:
@@ -304,17 +315,17 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         self.report_and_heal(found)
         self.publish_metrics()
         if self.stamp_store:
-            vllm_transfer.store(self)
+            self.store_stamps()
 
     def report_and_heal(self, found: list[Violation]) -> None:
         """Hand a forward's violations to healing (``quarantine``, ``repair``), count the harm, then
         report them."""
         if found:  # with block ids, vLLM drops the reporting forward's output for every reader
             self.count_harm(found, healed=self.ship_blocks and self.heal.block_level)
-        if self.ship_blocks and found and self._rows is not None:
-            g = self._group(self.primary)
+        if self.ship_blocks and found and self.rows is not None:
+            g = self.group(self.primary)
             if g is not None:
-                reqs = {r.req_id: r for r in self._rows.reqs if r is not None}
+                reqs = {r.req_id: r for r in self.rows.reqs if r is not None}
                 self.heal.forward(found, reqs, g.plan.block_size, g.canary.num_slots)
                 poisoned = self.heal.take_release()
                 if poisoned:
@@ -350,18 +361,6 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         rid = self.first_reader(name, v)
         return dataclasses.replace(v, request=rid) if rid else v
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """After the other connectors of a MultiConnector landed their KV: install the stamps that
-        travelled with it and verify every landed byte (a torn or wrong load is reported here)."""
-        if self._rows is not None and any(r.landed_from >= 0 for r in self._meta.reqs):
-            self.shielded("the landing check", vllm_transfer.landed, self)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None
-
     def stats(self) -> dict[str, int]:
         out = Adapter.stats(self)
         out["forwards"] = self.forwards
@@ -377,7 +376,7 @@ class KvCanaryConnector(SchedulerSide, KVConnectorBase_V1, SupportsHMA, Adapter)
         self.audit.end()
         for g in self.groups:
             g.step = None
-        self._rows = None
+        self.rows = None
         Adapter.recover(self)
 
 

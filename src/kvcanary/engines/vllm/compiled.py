@@ -1,7 +1,7 @@
 """vLLM on a CPU pool with the fused backend: a forward's rows and steps filled by compiled loops.
 
-Equal, field for field, to :func:`kvcanary.engines.vllm_steps.match_rows` and
-:func:`~kvcanary.engines.vllm_steps.build_step`'s torch construction (``tests/test_vllm_steps.py``
+Equal, field for field, to :func:`kvcanary.engines.vllm.steps.match_rows` and
+:func:`~kvcanary.engines.vllm.steps.build_step`'s torch construction (``tests/test_vllm_steps.py``
 compares them on random batches with windows, drafts, padding rows and landed KV). The host work
 left per forward is one dict lookup per row (matching rows to the scheduler's request records) and
 the token book's new tokens; the new tokens' ids, each group's new-token fields and where its reads
@@ -16,41 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcanary.fused._core import JIT
-from kvcanary.fused.cache import njit
+from kvcanary.engines.block_table import read_starts
+from kvcanary.fused.block_steps import fill_new, fill_tokens
+from kvcanary.fused.steps import written_from
 from kvcanary.step import Step
-
-
-@njit(**JIT)
-def fill_tokens(qsl, seq, book, book_rows, out):  # type: ignore[no-untyped-def]
-    """``out[t]``: the id of new token ``t`` (row ``r``'s position ``seq[r] - q[r] + j``) in row
-    ``book_rows[r]`` of the token book, -1 past the book's width."""
-    width = book.shape[1]
-    for row in range(qsl.shape[0] - 1):
-        c = np.int64(seq[row]) - (qsl[row + 1] - qsl[row])
-        b = book_rows[row]
-        for t in range(qsl[row], qsl[row + 1]):
-            pos = c + (t - qsl[row])
-            out[t] = book[b, pos] if 0 <= pos < width else -1
-
-
-@njit(**JIT)
-def fill_new(qsl, seq, slot_mapping, valid, cached, new_positions, new_slots):  # type: ignore[no-untyped-def]
-    """Each row's cached length and each new token's position and slot (-1 in a padding row), as
-    :func:`kvcanary.engines.base.step_from_block_table`."""
-    r = cached.shape[0]
-    for row in range(r):
-        q = qsl[row + 1] - qsl[row]
-        c = np.int64(seq[row]) - q
-        cached[row] = c
-        for t in range(qsl[row], qsl[row + 1]):
-            new_positions[t] = c + (t - qsl[row])
-            new_slots[t] = slot_mapping[t] if valid[row] else -1
 
 
 def rows_of(md: Any, reqs: list, book: Any, qsl: np.ndarray, seq: np.ndarray) -> tuple[list, list[str], np.ndarray,
                                                                                         torch.Tensor]:
-    """:func:`~kvcanary.engines.vllm_steps.match_rows`' matching and new tokens: each row's request
+    """:func:`~kvcanary.engines.vllm.steps.match_rows`' matching and new tokens: each row's request
     record (None: padding), id and row of the token book, and each new token's id from the book
     (the drafts are laid over it after). ``qsl`` and ``seq``: the metadata's query starts and
     sequence lengths as numpy."""
@@ -71,12 +45,9 @@ def rows_of(md: Any, reqs: list, book: Any, qsl: np.ndarray, seq: np.ndarray) ->
 
 
 def step_of(md: Any, rows: Any, block_size: int, window: int | None, landed: np.ndarray) -> Step:
-    """:func:`~kvcanary.engines.vllm_steps.build_step` for one group's metadata ``md`` (``rows``: the
-    forward's :class:`~kvcanary.engines.vllm_steps.Rows`; ``landed``: per row, where KV another
+    """:func:`~kvcanary.engines.vllm.steps.build_step` for one group's metadata ``md`` (``rows``: the
+    forward's :class:`~kvcanary.engines.vllm.steps.Rows`; ``landed``: per row, where KV another
     connector lands starts, -1: none)."""
-    from kvcanary.engines.vllm_steps import read_starts
-    from kvcanary.fused.steps import written_from
-
     qsl = md.query_start_loc
     r = qsl.shape[0] - 1
     n = int(md.num_actual_tokens)

@@ -1,6 +1,6 @@
 """The vLLM connector's scheduler side (engine core): what each step ships to the workers.
 
-Per step and scheduled request (:class:`~kvcanary.engines.vllm_steps.ReqStep`): its new committed
+Per step and scheduled request (:class:`~kvcanary.engines.vllm.steps.ReqStep`): its new committed
 token ids (a token not yet sampled is never guessed), the draft tokens its forward writes
 (speculative decoding), its computed-token count, where rejected drafts were rolled back, and the
 slot of its first new token in the primary KV cache group; per step, the requests that finished,
@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvcanary.engines.vllm_steps import ReqStep
+from kvcanary.engines.vllm.steps import ReqStep
 
 
 F = TypeVar("F", bound=Callable[..., Any])

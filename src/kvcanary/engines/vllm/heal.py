@@ -38,7 +38,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from kvcanary.engines.vllm_steps import ReqStep
+from kvcanary.engines.vllm.steps import ReqStep
 from kvcanary.errors import ConfigError
 from kvcanary.violations import Check, Site, Violation
 

@@ -1,71 +1,17 @@
-"""transformers continuous batching: where a layer group's KV bytes live, and the Steps of a forward
-built from the batch's own metadata (``read_index``, ``write_index``, the requests' lengths)."""
+"""transformers continuous batching: the Steps of a forward, one per layer group, built from the
+batch's own metadata (``read_index``, ``write_index``, the requests' lengths)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from kvcanary import checks
-from kvcanary.canary import Canary
-from kvcanary.config import CanaryConfig
-from kvcanary.engines import transformers_hooks as cb_hooks
 from kvcanary.engines.token_book import TokenBook
-from kvcanary.layout import ByteSource, KvLayout
+from kvcanary.engines.transformers import hooks as cb_hooks
+from kvcanary.engines.transformers.groups import Group
 from kvcanary.step import Step
-
-
-def group_layout(allocator: Any) -> tuple[KvLayout, int]:
-    """The layout of one CB layer group's K and V bytes, and its number of compact slots.
-
-    A group's cache is token rows ``[Hkv, D]``; block ``b`` holds, per layer ``i`` of the group, a
-    K page then a V page of ``tokens_per_page`` rows. The canary numbers slots compactly:
-    ``slot = block * tokens_per_page + offset``.
-    """
-    t = allocator.cache_tensor  # [total_tokens, 2, Hkv, D] in the cache dtype
-    es = t.element_size()
-    row = t.shape[2] * t.shape[3] * es
-    tpp, stride = allocator.tokens_per_page, allocator.block_physical_stride
-    num_pages = (t.shape[0] * 2) // stride
-    base = t.storage_offset() * es
-    sources = []
-    for i, layer in enumerate(allocator.layer_indices):
-        for h, half in enumerate("kv"):
-            sources.append(ByteSource(
-                name=f"layer{layer}.{half}", tensor=t, page_size=tpp, num_pages=num_pages,
-                page_stride=stride * row, token_stride=row, rows=1, row_stride=row, row_bytes=row,
-                offset=base + (2 * i + h) * tpp * row,
-            ))
-    return KvLayout(tuple(sources)), num_pages * tpp
-
-
-class Group:
-    """One layer group's canary and slot numbering."""
-
-    def __init__(self, name: str, index: int, allocator: Any, config: CanaryConfig) -> None:
-        self.name, self.index, self.allocator = name, index, allocator
-        layout, num_slots = group_layout(allocator)
-        self.tpp, self.stride = allocator.tokens_per_page, allocator.block_physical_stride
-        self.trash = allocator.write_trash_index
-        # the read trash (padding tokens read it; the engine never writes it) and the sentinel next to it
-        reserved = {int(self.compact(torch.tensor(i))) for i in (allocator.read_trash_index, allocator.sentinel_index)}
-        self.canary = Canary(num_slots, dataclasses.replace(layout, reserved=tuple(reserved)), config)
-
-    def compact(self, physical: torch.Tensor) -> torch.Tensor:
-        physical = physical.long()
-        return torch.div(physical, self.stride, rounding_mode="floor") * self.tpp + physical % self.stride
-
-    def block_slots(self, blocks: list[int] | set[int]) -> torch.Tensor:
-        b = torch.tensor(sorted(blocks) if isinstance(blocks, set) else blocks, dtype=torch.int64)
-        slots = (b[:, None] * self.tpp + torch.arange(self.tpp)).reshape(-1)
-        return cb_hooks.to_device(self.canary.device, slots)[0]
-
-    def holders(self, block: int) -> list[str]:
-        """The requests whose table in this group holds ``block``."""
-        return [rid for rid, blocks in self.allocator.block_table.items() if block in blocks]
-
 
 
 def padding_writes(groups: dict[str, Group], batch: dict, steps: dict[str, Step]) -> dict[str, torch.Tensor]:
@@ -91,7 +37,7 @@ def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, b
     requests' host-side lengths and the index tensors' own sizes, so no device value is read on
     the host; host-built tensors travel through pinned memory. On a CPU pool with the fused
     backend (``fused=None``: whenever the groups use it) the steps are filled by compiled loops
-    (:class:`kvcanary.engines.transformers_compiled.StepBuilder`; ``builder``: the one that keeps
+    (:class:`kvcanary.engines.transformers.compiled.StepBuilder`; ``builder``: the one that keeps
     this protection's buffers between forwards).
     """
     if reqs is None:
@@ -103,7 +49,7 @@ def build_steps(groups: dict[str, Group], book: TokenBook | None, runner: Any, b
     if fused is None:
         fused = dev.type == "cpu" and next(iter(groups.values())).canary.backend == "fused"
     if fused and batch.get("block_table") is None:
-        from kvcanary.engines.transformers_compiled import StepBuilder
+        from kvcanary.engines.transformers.compiled import StepBuilder
 
         return (builder or StepBuilder()).build(groups, book, batch, reqs)
     q_host = torch.tensor([fs.query_length for fs in reqs], dtype=torch.int64)
@@ -161,7 +107,8 @@ def fast_path_steps(groups: dict[str, Group], batch: dict, past: torch.Tensor, e
     page indices, -1 where unused; the read and write indices are stale there and not used).
 
     Each group's step is a block-table step over its compact slots: the block of a page index is
-    ``index // (block_physical_stride // tokens_per_page)``, and the new token of row ``r`` goes to
+    ``index // (block_physical_stride // tokens_per_page)`` (a page index counts pages of
+    ``tokens_per_page`` rows), and the new token of row ``r`` goes to
     position ``past[r]`` of its table.
     """
     tokens = batch["input_ids"][0, :r]
@@ -169,12 +116,12 @@ def fast_path_steps(groups: dict[str, Group], batch: dict, past: torch.Tensor, e
     rows = torch.arange(r, device=past.device)
     steps = {}
     for name, g in groups.items():
-        pages = batch["block_table"][g.index][:r].long()
-        blocks = torch.where(pages >= 0, torch.div(pages, g.stride // g.tpp, rounding_mode="floor"), -1)
-        col = torch.div(past, g.tpp, rounding_mode="floor").clamp(max=blocks.shape[1] - 1)
-        slot = blocks[rows, col] * g.tpp + past % g.tpp
+        blocks = g.pages.blocks_of_pages(batch["block_table"][g.index][:r])
+        bs = g.block_size
+        col = torch.div(past, bs, rounding_mode="floor").clamp(max=blocks.shape[1] - 1)
+        slot = blocks[rows, col] * bs + past % bs
         steps[name] = Step(
-            block_table=blocks, block_size=g.tpp, cached_lens=past, new_offsets=torch.arange(r + 1, device=past.device),
+            block_table=blocks, block_size=bs, cached_lens=past, new_offsets=torch.arange(r + 1, device=past.device),
             new_tokens=tokens, new_positions=positions, new_slots=torch.where(blocks[rows, col] >= 0, slot, -1),
             expected_tokens=exp_tok, expected_rows=erows, expected_new_tokens=exp_new,
         )

@@ -1,7 +1,7 @@
 """transformers continuous batching on a CPU pool with the fused backend: a forward's steps filled by
 compiled loops into buffers kept from one forward to the next.
 
-Equal, field for field, to :func:`kvcanary.engines.transformers_steps.build_steps`' torch
+Equal, field for field, to :func:`kvcanary.engines.transformers.steps.build_steps`' torch
 construction on the positions the checks use (``tests/test_transformers.py`` compares them on live
 runs). The buffers, and the :class:`~kvcanary.step.Step` objects over them, are made again only when
 the forward's shape changes (its requests, new tokens, or a table width past the rounded capacity):
@@ -20,90 +20,11 @@ import numpy as np
 import torch
 
 from kvcanary.engines.token_book import TokenBook
-from kvcanary.fused._core import JIT
-from kvcanary.fused.cache import njit
+from kvcanary.fused.index_steps import fill_common, fill_group
 from kvcanary.step import Step
 
 _EMPTY1, _EMPTY2 = np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
 WIDTH_QUANTUM = 128  # table widths are rounded up to this, so a decode run keeps one shape for 128 forwards
-
-
-@njit(**JIT)
-def fill_common(q, past, book, book_rows, cu_src, tok_src, pos_src, cu, tokens, positions, erows, exp_new):  # type: ignore[no-untyped-def]
-    """The fields every group's step shares: ``cu`` (int64 ``[R + 1]``), ``tokens`` and ``positions``
-    (``[T]``) copied from the batch's own tensors; with a token book (``erows`` has rows), each
-    row's row of the book in ``erows`` and each new token's expected token in ``exp_new``."""
-    r = q.shape[0]
-    for i in range(r + 1):
-        cu[i] = cu_src[i]
-    for t in range(tokens.shape[0]):
-        tokens[t] = tok_src[t]
-        positions[t] = pos_src[t]
-    if erows.shape[0] == 0:
-        return
-    width = book.shape[1]
-    t = 0
-    for row in range(r):
-        b = book_rows[row]
-        erows[row] = b
-        for j in range(q[row]):
-            pos = past[row] + j
-            exp_new[t] = book[b, pos] if pos < width else -1
-            t += 1
-
-
-@njit(**JIT)
-def fill_group(read, cu_k, q, past, write, stride, tpp, trash, table, starts, wslot):  # type: ignore[no-untyped-def]
-    """One group's slot table (int32 or int64 ``[R + 1, width + 1]``; row ``R`` and column ``width`` are
-    scratch), read starts and new tokens' slots, from its read index (row ``r``'s reads at
-    ``cu_k[r] .. cu_k[r + 1]``, its cached positions first) and write index (one entry per new
-    token). Physical indices are compacted to ``(i // stride) * tpp + i % stride``; a write to the
-    trash index is padding (-1)."""
-    r = past.shape[0]
-    width = table.shape[1] - 1
-    table[r, :] = -1
-    nread = read.shape[0]
-    for row in range(r):
-        nc = 0
-        if nread:
-            nc = cu_k[row + 1] - cu_k[row] - q[row]
-        lo = past[row] - nc
-        starts[row] = lo
-        # -1 outside the positions filled below (each entry written once)
-        for pos in range(0, min(max(lo, 0), width + 1)):
-            table[row, pos] = -1
-        for pos in range(max(past[row] + q[row], 0), width + 1):
-            table[row, pos] = -1
-        base = cu_k[row]
-        # a page's entries are consecutive indices: the compact slot then moves on by one, and the
-        # divisions are done only where a run of them starts
-        prev = np.int64(-2)
-        rem = c = np.int64(0)
-        for j in range(nc):
-            e = base + j
-            pos = lo + j
-            if 0 <= pos <= width:
-                if e < nread:
-                    p = np.int64(read[e])
-                    if p == prev + 1 and rem + 1 < stride:
-                        rem += 1
-                        c += 1
-                    else:
-                        blk = p // stride
-                        rem = p - blk * stride
-                        c = blk * tpp + rem
-                    prev = p
-                    table[row, pos] = c
-                else:
-                    table[row, pos] = -1
-    t = 0
-    for row in range(r):
-        for j in range(q[row]):
-            p = np.int64(write[t])
-            s = np.int64(-1) if p == trash else (p // stride) * tpp + p % stride
-            wslot[t] = s
-            table[row, min(past[row] + j, width)] = s
-            t += 1
 
 
 class _Shape:
@@ -174,5 +95,6 @@ class StepBuilder:
             cu_k = cu_k_all[name] if isinstance(cu_k_all, dict) else cu_k_all
             table, starts, wslot = sh.np_groups[name]
             fill_group(batch["read_index"][g.index].numpy(), cu_k.numpy(), q, past,
-                       batch["write_index"][g.index].numpy(), g.stride, g.tpp, g.trash, table, starts, wslot)
+                       batch["write_index"][g.index].numpy(), g.pages.block_stride, g.block_size, g.trash, table, starts,
+                       wslot)
         return sh.steps

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcanary.engines.base import step_from_block_table
+from kvcanary.engines.block_table import read_starts, step_from_block_table
 from kvcanary.engines.token_book import TokenBook
 from kvcanary.step import Step
 
@@ -65,14 +65,14 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
     """Match the rows of the primary group's metadata ``md`` to ``reqs`` by the slot of each row's first
     new token, and give each new token its id: a committed one from ``book``, or the draft the
     forward writes there. On CPU metadata with the fused path available (``fused=None``: whenever it
-    is) the new tokens are a compiled loop (:mod:`kvcanary.engines.vllm_compiled`); elsewhere they
+    is) the new tokens are a compiled loop (:mod:`kvcanary.engines.vllm.compiled`); elsewhere they
     are laid out on the host (a forward's new tokens) and sent with the rows' book rows: nothing is
     sent per cached position."""
     qsl_np = md.query_start_loc.cpu().numpy()
     r = qsl_np.shape[0] - 1
     seq = md.seq_lens[:r].cpu().numpy().astype(np.int64)
     if _fused(md, fused):
-        from kvcanary.engines.vllm_compiled import rows_of
+        from kvcanary.engines.vllm.compiled import rows_of
 
         rows, rids, brows, new = rows_of(md, reqs, book, qsl_np, seq)
     else:
@@ -124,24 +124,13 @@ def _fused_available() -> bool:
     return available() is None
 
 
-def read_starts(cached: torch.Tensor, window: int | None) -> torch.Tensor | None:
-    """The first position each row's attention reads: ``None`` (all of them) without a window; with
-    a sliding ``window`` the kernel reads positions ``p - window + 1 .. p`` for a query at ``p``, so a
-    row whose first new token is at ``cached`` reads from ``cached - window + 1`` (at most
-    ``cached - 1``: the first new token's link chains from there)."""
-    if window is None:
-        return None
-    lo = (cached - window + 1).clamp(min=0)
-    return torch.minimum(lo, (cached - 1).clamp(min=0))
-
-
 def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: bool | None = None) -> Step:
     """One KV cache group's step of the forward, from that group's metadata ``md``: reads of the
     positions the kernel reads before the forward; reads of slots the step itself writes, and of KV
     another connector lands this step, from ``written_from``. On CPU metadata with the fused path
     (``fused=None``: whenever it is available) built by compiled loops."""
     if _fused(md, fused):
-        from kvcanary.engines.vllm_compiled import step_of
+        from kvcanary.engines.vllm.compiled import step_of
 
         lands = np.fromiter((x.landed_from if x is not None and x.landed_from >= 0 else -1 for x in rows.reqs),
                             dtype=np.int64, count=len(rows.reqs))

@@ -53,7 +53,7 @@ class Quarantine:
             g = self.prot.groups.get(v.group or "")
             if g is None or v.checks & Check.BAD_SLOT or not 0 <= v.slot < g.canary.num_slots:
                 continue
-            block = v.slot // g.tpp
+            block = g.block_of(v.slot)
             drop_from_prefix_cache(g.allocator, block)
             if v.checks & (Check.CONTENT | Check.WRITE_CONTENT):  # its bytes are bad: every holder reads them
                 self.poisoned.setdefault(g.name, set()).add(block)

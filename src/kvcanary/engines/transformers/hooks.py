@@ -86,7 +86,10 @@ def _by_cache(cache_tensor: Any) -> Any:
 
 def _compute_batch(self: Any, model: Any, batch_data: dict) -> None:
     prot = ACTIVE.get(id(model))
-    steps = prot.before(self, batch_data) if prot is not None else None
+    steps = None
+    if prot is not None:
+        prot.stream = getattr(self.inputs_and_outputs, "compute_stream", None)  # the forward's (None on a CPU)
+        steps = prot.before(self, batch_data)
     _ORIGINAL["compute_batch"](self, model, batch_data)
     if prot is not None:
         prot.after(steps)

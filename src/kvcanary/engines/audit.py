@@ -1,0 +1,198 @@
+"""The write check and the read audit (:mod:`kvcanary.audit`) as every engine adapter runs them.
+
+An engine's audit (``engines/<engine>/audit.py``) knows where a forward's tensors come from: which
+layer's computed K and V, queries and outputs it is handed, and its attention's scale, window,
+soft-cap and sinks. Everything else is here, once:
+
+- planning a forward on the host: which tokens' writes are checked (all of them, or a rotating
+  share within the content budget), which queries are audited (:meth:`EngineAudit.sample`);
+- the torch reference for one layer, reading the cache through the layer's geometry
+  (:meth:`EngineAudit.check_writes`, :meth:`EngineAudit.check_queries`);
+- the compiled check of some layers in one call (:meth:`EngineAudit.run_compiled`), its tables
+  built by :mod:`kvcanary.audit.tables`;
+- the counts, the adapter's failures, and draining the results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from kvcanary.audit.auditor import Auditor
+from kvcanary.audit.records import ForwardAudit, LayerPlan, Query, Writes, to_device
+from kvcanary.audit.reference import DTYPES, check_layer, write_mismatch
+from kvcanary.audit.tables import PTR_K, QUERY_COLUMNS, layer_row
+from kvcanary.geometry.base import KvGeometry
+from kvcanary.violations import Violation
+
+NO_TOKENS = np.zeros(0, dtype=np.int64)
+NO_QUERIES = np.zeros((0, QUERY_COLUMNS), dtype=np.int64)
+
+
+class EngineAudit:
+    """What both engine adapters' audits share. ``adapter``: the engine adapter (its ``config``, and
+    its ``internal_errors`` and ``pending`` error where the audit fails); ``heads``: the model's
+    query heads.
+
+    Attributes
+    ----------
+    auditor : the rotation of sampled queries, the forwards not yet drained and the counts
+    fa : this forward's audit while it runs (``None``: none)
+    write_tokens : this forward's batch tokens whose writes are checked (host), and ``write_index``
+        the same on the pool's device
+    """
+
+    def __init__(self, adapter: Any, heads: int) -> None:
+        cfg = adapter.config
+        self.adapter, self.config = adapter, cfg
+        self.auditor = Auditor(cfg.audit_queries, cfg.audit_tolerance)
+        self.write_check = cfg.write_check
+        self.on = cfg.mode != "off" and (cfg.write_check or cfg.audit_queries > 0)
+        self.heads = max(1, heads)
+        self.fa: ForwardAudit | None = None
+        self.write_tokens: np.ndarray | None = None
+        self.write_index: torch.Tensor | None = None
+        self._wturn = 0
+
+    # ---- planning a forward (host) ------------------------------------------------------------
+
+    def due(self, forwards: int) -> bool:
+        """Whether the forward numbered ``forwards`` is audited (``audit_every``)."""
+        return self.on and forwards % self.config.audit_every == 0
+
+    def pick_writes(self, total: int, token_bytes: int, layers: int, device: torch.device) -> None:
+        """This forward's write-checked tokens out of ``total``: all of them without a content
+        budget, else as many as the budget holds of every layer's K and V (``token_bytes`` per token
+        and layer), rotating over the forward's tokens."""
+        self.write_tokens = self.write_index = None
+        if not self.write_check or not total:
+            return
+        budget = self.config.budget_for(device.type)
+        n = total if budget is None else min(total, max(1, budget // (token_bytes * max(1, layers))))
+        toks = (self._wturn + np.arange(n)) % total if n < total else np.arange(n)
+        self._wturn = int((self._wturn + n) % total)
+        self.write_tokens = toks
+        self.write_index = to_device(device, [toks])[0]
+
+    def sample(self, layers: Sequence[Hashable], lengths: np.ndarray, starts: np.ndarray, cached: np.ndarray,
+               layer_id: Callable[[Any], int], group_of: Callable[[Any], str | None],
+               last_token: Callable[[Any], bool] = lambda layer: False) -> list[Query]:
+        """This forward's audited queries (:meth:`Auditor.pick`'s rotation over ``layers``, the rows
+        with ``lengths`` new tokens from ``starts`` in the batch, after ``cached`` tokens, and the
+        heads); ``layer_id``: a layer's number in the records; ``last_token``: a layer whose
+        queries are its rows' last new tokens (a window group caches only a prefill's last ones)."""
+        out = []
+        for li, r, off, head in self.auditor.pick(list(range(len(layers))), lengths.tolist(), self.heads):
+            layer = layers[li]
+            if last_token(layer):
+                off = int(lengths[r]) - 1
+            out.append(Query(layer_id(layer), r, int(starts[r] + off), head, int(cached[r] + off), int(cached[r]),
+                             group_of(layer)))
+        return out
+
+    def start(self, step: int, starts: np.ndarray, cached: np.ndarray, slots: dict[str | None, torch.Tensor],
+              queries: list[Query], device: torch.device, host: bool) -> ForwardAudit:
+        """This forward's audit, its results on the host (``host``: the compiled loop fills them) or
+        on ``device`` (the torch reference)."""
+        s = len(queries)
+        if host:
+            err: Any = np.full(s, -1.0)
+            shift: Any = np.zeros(s, dtype=np.int64)
+            tol: Any = np.zeros(s)
+        else:
+            err, shift = torch.full((s,), -1.0, device=device), torch.zeros(s, dtype=torch.int64, device=device)
+            tol = torch.zeros(s, device=device)
+        self.fa = self.auditor.begin(ForwardAudit(step, starts, cached, slots, queries, err, shift, tol))
+        return self.fa
+
+    # ---- the torch reference, one layer --------------------------------------------------------
+
+    def check_writes(self, layer: int, group: str | None, geometry: KvGeometry, slots: torch.Tensor,
+                     src_k: torch.Tensor, src_v: torch.Tensor) -> None:
+        """One layer's write check: ``slots`` (int ``[n]``, -1: none) the checked tokens' slots,
+        ``src_k`` and ``src_v`` (``[n, Hkv, D]``) what the layer computed for them."""
+        assert self.fa is not None and self.write_tokens is not None
+        s = slots.clamp(min=0)
+        half, head = write_mismatch(src_k, src_v, geometry.k_rows(s), geometry.v_rows(s))
+        self.fa.writes.append(Writes([layer], [group], self.write_tokens, torch.where(slots >= 0, half, 0)[None],
+                                     head[None]))
+        self.count_writes(1, len(self.write_tokens), geometry.token_bytes)
+
+    def check_queries(self, plan: LayerPlan, step: Any, geometry: KvGeometry, q: torch.Tensor, out: torch.Tensor,
+                      group_size: int, scale: float, softcap: float | None, sinks: torch.Tensor | None,
+                      tol: tuple[float, float]) -> None:
+        """One layer's audited queries: ``q`` and ``out`` (``[S, D]``) the plan's queries and the
+        engine's outputs for them, read against the cache at the slots of the verified ``step``;
+        ``sinks`` (``[S]``) each query's head's sink logit."""
+        assert self.fa is not None
+        shape = plan.grid.shape
+        slots = step.lookup(plan.row[:, None].expand(shape).reshape(-1), plan.grid.reshape(-1)).view(shape)
+        kvh = (plan.head // group_size)[:, None].expand(shape)
+        bs, limit = geometry.block_size, geometry.num_slots - 1
+
+        def read(slots: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+            s = torch.where(plan.old, slots + shift * bs, slots).clamp(0, limit)
+            return geometry.k_rows(s, kvh), geometry.v_rows(s, kvh)
+
+        fa = self.fa
+        if isinstance(fa.err, np.ndarray):  # results kept on the host: the torch reference writes through views
+            fa = dataclasses.replace(fa, err=torch.from_numpy(fa.err), shift=torch.from_numpy(fa.shift),
+                                     tol=torch.from_numpy(fa.tol))
+        check_layer(fa, plan, slots, q, out, read, scale, softcap, sinks, tol)
+
+    # ---- the compiled loop, some layers in one call -------------------------------------------
+
+    def run_compiled(self, layers: np.ndarray, ptrs: np.ndarray, strides: np.ndarray, steps: np.ndarray,
+                     qt: np.ndarray, fl: np.ndarray, gathered: bool, layer_ids: Sequence[int],
+                     groups: Sequence[str | None], token_bytes: int) -> None:
+        """The write checks of the layers with a computed K's address in ``ptrs`` and the queries of
+        ``qt`` in one call of :func:`kvcanary.fused.audit.check_forward` (the tables:
+        :mod:`kvcanary.audit.tables`); ``layer_ids`` and ``groups``: each table row's layer number
+        and group in the records."""
+        from kvcanary.fused.audit import check_forward
+
+        fa = self.fa
+        assert fa is not None
+        toks = self.write_tokens if self.write_tokens is not None else NO_TOKENS
+        half = np.zeros((layers.shape[0], len(toks)), dtype=np.int64)
+        head = np.zeros_like(half)
+        check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, fa.err, fa.shift, fa.tol, gathered)
+        kept = np.nonzero(ptrs[:, PTR_K])[0]
+        if kept.size:
+            rows = kept.tolist()
+            fa.writes.append(Writes([layer_ids[i] for i in rows], [groups[i] for i in rows], toks, half[kept],
+                                    head[kept]))
+            self.count_writes(len(kept), len(toks), token_bytes)
+
+    @staticmethod
+    def layer_row(geometry: KvGeometry, step: int, query_dtype: torch.dtype) -> list[int]:
+        """A layer's row of the compiled loop's layer table (a strided geometry)."""
+        descs = geometry.descriptors()
+        assert descs is not None
+        return layer_row(descs[0], descs[1], step, DTYPES.get(geometry.dtype, -1), geometry.element_size,
+                         geometry.num_kv_heads, geometry.head_dim, geometry.num_slots - 1, DTYPES.get(query_dtype, -1))
+
+    # ---- counts, failures, results --------------------------------------------------------------
+
+    def count_writes(self, layers: int, tokens: int, token_bytes: int) -> None:
+        c = self.auditor.counts
+        c["write_slots_checked"] += layers * tokens
+        c["write_bytes_checked"] += layers * tokens * token_bytes
+
+    def failed(self, e: Exception) -> None:
+        """The audit failed inside a forward: this forward's audit is dropped (no stamp depends on
+        it), the failure counted or, in ``raise`` mode, raised."""
+        self.fa = None
+        self.auditor.failed(self.adapter, e)
+
+    def end(self) -> None:
+        self.fa = None
+
+    def drain(self) -> list[Violation]:
+        return self.auditor.drain()
+
+    def stats(self) -> dict[str, int]:
+        return self.auditor.stats()

@@ -1,0 +1,105 @@
+"""transformers continuous batching: what the protection follows of the engine's scheduler and cache
+manager besides the forwards. The layer groups of the cache it first sees (blocks a warm engine
+already holds start unknown), requests new to the canary (their first read of cached KV is
+verified byte for byte), blocks the engine frees or gives back all at once, and requests that left."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from kvcanary.config import CanaryConfig
+from kvcanary.engines.base import hook
+from kvcanary.engines.transformers import hooks as cb_hooks
+from kvcanary.engines.transformers.groups import Group
+from kvcanary.step import Step
+
+
+class SchedulerSide:
+    """The protection's hooks on the CB scheduler and cache manager.
+
+    Attributes
+    ----------
+    groups : layer group name -> its :class:`~kvcanary.engines.transformers.groups.Group`
+    cache : the engine's paged cache the groups were made for
+    seen : requests whose first read of cached KV was verified
+    """
+
+    config: CanaryConfig
+    audit: Any
+    quarantine: Any
+    freed_stamps: dict[str, dict[int, torch.Tensor]]
+    book: Any
+    rows: dict[int, list[str]]
+    verify_first_read: Callable[[str, Step, int, int, int, str], None]  # the adapter's (kvcanary.engines.base)
+
+    def __init__(self) -> None:
+        self.groups: dict[str, Group] = {}
+        self.cache: Any = None
+        self.seen: set[str] = set()
+
+    def ensure_groups(self, cache: Any, fresh: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        """Build one canary per layer group the first time a cache is seen. Blocks it already holds
+        were written before the canary was watching (a warm engine): they start unknown, except
+        those of ``fresh`` requests (nothing cached yet, so nothing of theirs was written)."""
+        if self.cache is cache:
+            return
+        groups = {name: Group(name, a.index, a, self.config) for name, a in cache.cache_allocators.items()}
+        for g in groups.values():
+            a = g.allocator
+            held = {b for rid, blocks in a.block_table.items() if rid not in fresh for b in blocks}
+            held |= set(a.ledger.cached_blocks) | set(a.ledger.block_to_hash)
+            if held:
+                g.canary.forget(g.block_slots(held))
+        self.groups, self.cache = groups, cache
+        self.audit.groups_changed(groups)
+        cb_hooks.BY_CACHE[cb_hooks.pool_key(cache.cache_tensor)] = self
+        cb_hooks.BY_POOL[id(cache.pool)] = self
+
+    def verify_first_reads(self, reqs: list, steps: dict[str, Step], rids: list[str]) -> None:
+        """A request seen for the first time with KV already cached (a prefix-cache hit, a fork's
+        child) reads blocks it did not write: every byte of them is verified before this forward."""
+        if self.seen.issuperset(rids):
+            return
+        for i, fs in enumerate(reqs):
+            rid = rids[i]
+            if rid in self.seen:
+                continue
+            self.seen.add(rid)
+            past = fs.state.position_offset - fs.query_length
+            if past <= 0:
+                continue
+            for name, step in steps.items():
+                self.verify_first_read(name, step, i, int(step.starts()[i]), past, rid)
+
+    def forget_departed(self) -> None:
+        """Drop the token streams and first-read marks of requests that left the cache."""
+        if self.cache is None:
+            return
+        live = {rid for a in self.cache.cache_allocators.values() for rid in a.block_table}
+        self.book.forget_except(live)
+        self.seen &= live | {rid for rids in list(self.rows.values())[-2:] for rid in rids}
+
+    @hook("the block-free hook")
+    def released(self, index: int, blocks: list[int]) -> None:
+        """The engine returned ``blocks`` of the group with allocator ``index`` to its free pool."""
+        for name, g in self.groups.items():
+            if g.index == index:
+                slots = g.block_slots(blocks)
+                # the offloading manager frees a victim's blocks before it copies them out: keep their
+                # stamps until the next forward, for the offload hook
+                was = g.canary.export_stamps(slots)
+                if was is not None:
+                    freed = self.freed_stamps.setdefault(name, {})
+                    bs = g.block_size
+                    freed.update((b, was[i * bs : (i + 1) * bs]) for i, b in enumerate(blocks))
+                g.canary.release(slots)
+                self.quarantine.freed(name, blocks)
+
+    @hook("the pool-reset hook")
+    def pool_reset(self) -> None:
+        """The engine gave every block back (a cache reset): every slot is free."""
+        for g in self.groups.values():
+            g.canary.release(torch.arange(g.canary.num_slots, device=g.canary.device))
+        self.quarantine.poisoned.clear()

@@ -1,0 +1,226 @@
+"""vLLM (CPU build): the write check and the read audit (:mod:`kvcanary.audit`) inside each
+attention layer's forward.
+
+vLLM's CPU attention writes a layer's new K and V into its cache (``do_kv_cache_update``) before
+the layer's attention runs (``CPUAttentionBackendImpl.forward``). One class-level patch of that
+forward, installed by the worker-side connector, runs the engine's attention, then, for the
+layers of the KV cache groups the canary covers:
+
+- compares the K and V the layer computed (the forward's ``key`` and ``value``, the inputs of the
+  cache-write op) bit for bit with the cache rows at the new tokens' slots (``slot_mapping``);
+- recomputes the forward's sampled queries of that layer in fp32 from the cache at the slots of the
+  group's verified step table, with the layer's own scale, window, soft-cap and sinks, and compares
+  them with the engine's output rows.
+
+The cache is read through each layer's geometry (:mod:`kvcanary.geometry.vllm_cpu`): on a CPU pool
+by the compiled loop where the layout is strided (``vec``, ``vec16``), else by the torch
+reference. Layers the canary does not cover, draft-model layers, KV-sharing layers (no write of
+their own) and non-causal or ALiBi attention are passed through unchecked.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvcanary.audit.records import LayerPlan, plan_layers
+from kvcanary.audit.reference import DTYPES
+from kvcanary.audit.tables import PTR_K, PTR_O, PTR_Q, PTR_V, STRIDE_COLUMNS, floats, query_table, strides
+from kvcanary.engines.audit import NO_QUERIES, EngineAudit
+from kvcanary.geometry.base import KvGeometry
+
+REGISTRY: dict[str, "VllmAudit"] = {}  # layer name -> the audit of the canary that covers it
+# fault injection only (kvcanary.faults.vllm): wraps every layer's attention, audited or not, as
+# tap(original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+TAPS: dict[str, Callable[..., Any]] = {}
+_ORIGINAL: dict[str, Callable[..., Any]] = {}
+
+
+def install() -> None:
+    """Patch ``CPUAttentionBackendImpl.forward`` once per process (idempotent)."""
+    if _ORIGINAL:
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    _ORIGINAL["forward"] = CPUAttentionBackendImpl.forward
+
+    def forward(impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: Any = None, *args: Any, **kwargs: Any) -> Any:
+        original = _ORIGINAL["forward"]
+        tap = TAPS.get("forward")
+        if tap is not None:
+            original = functools.partial(tap, original)
+        audit = REGISTRY.get(getattr(layer, "layer_name", ""))
+        if audit is None or attn_metadata is None or audit.fa is None:
+            return original(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        return audit.layer(original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+    CPUAttentionBackendImpl.forward = forward
+
+
+class VllmAudit(EngineAudit):
+    """The write check and read audit of one worker's connector."""
+
+    def __init__(self, conn: Any, heads: int) -> None:
+        super().__init__(conn, heads)
+        self.groups: dict[str, Any] = {}  # layer name -> its group (the connector's)
+        self.geometry: dict[str, KvGeometry] = {}  # layer name -> its cache's geometry
+        self.index: dict[str, int] = {}  # layer name -> its number in the records' "layer" field
+        self.plans: dict[int, LayerPlan] = {}  # by the layer's number
+        self._rows: dict[str, tuple[int, np.ndarray]] = {}  # the compiled loop's layer row, by the cache it was made for
+        self._consts: dict[str, tuple[Any, ...]] = {}  # layer -> (rep, scale, soft-cap, tolerance, sinks), once seen
+        self._tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # this forward's compiled tables by layer
+        self._step_descs: dict[str, np.ndarray] = {}
+        self._strides: dict[tuple[Any, ...], np.ndarray] = {}
+
+    def register(self, groups: list[Any], geometry: dict[str, KvGeometry]) -> None:
+        """The covered groups' layers, checked from now on (``geometry``: each layer's cache)."""
+        if not self.on:
+            return
+        install()
+        for g in groups:
+            for name in g.plan.layers:
+                if name in geometry:
+                    self.groups[name] = g
+                    found = re.search(r"layers\.(\d+)\.", name)
+                    self.index[name] = int(found.group(1)) if found else len(self.index)
+                    self.geometry[name] = geometry[name]
+                    REGISTRY[name] = self
+
+    def begin(self, live: list[Any], rows: Any, forwards: int) -> None:
+        """Plan this forward's write checks and audited queries from the steps' host values."""
+        self.fa, self.plans = None, {}
+        self.write_tokens = self.write_index = None
+        self._tables, self._step_descs = {}, {}
+        if not live or not self.due(forwards):
+            return
+        step = live[0].step
+        qsl = step.new_offsets.long().numpy()
+        cached = step.cached_lens.long().numpy()
+        q = qsl[1:] - qsl[:-1]
+        valid = np.asarray(rows.valid.numpy(), dtype=bool)[: len(q)]
+        layers = [n for g in live for n in g.plan.layers if n in self.groups]
+        queries = self.sample(layers, q * valid, qsl, cached, self.index.__getitem__, lambda n: self.groups[n].name)
+        windows = {self.index[n]: self.groups[n].plan.window for n in layers}
+        self.plans = plan_layers(queries, windows, torch.device("cpu"))
+        self.start(forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries, torch.device("cpu"),
+                   host=True)
+        if any(g.canary.backend == "fused" for g in live):  # the compiled loop's tables, for each layer's call
+            from kvcanary.fused._step import describe
+
+            self._step_descs = {g.name: describe(g.step)[None] for g in live}
+            for name in (n for n in layers if self.index[n] in self.plans):
+                known = self._consts.get(name)
+                if known is not None:
+                    self._tables[name] = self._table(name, *known)
+        row = max([self.geometry[n].token_bytes for n in layers] + [1])
+        self.pick_writes(int(qsl[-1]), row, len(layers), torch.device("cpu"))
+
+    # ---- inside the forward -----------------------------------------------------------------------
+
+    def layer(self, original: Callable[..., Any], impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            self._check(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
+        except Exception as e:
+            self.failed(e)
+        finally:
+            self.adapter.seconds += time.perf_counter() - t0
+        return out
+
+    def _check(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
+        from vllm.v1.attention.backend import AttentionType
+
+        name = layer.layer_name
+        g = self.groups.get(name)
+        fa = self.fa
+        if g is None or fa is None or g.step is None or getattr(impl, "attn_type", None) != AttentionType.DECODER:
+            return
+        if not getattr(md, "causal", True) or getattr(md, "dynamic_causal", None) is not None:
+            return
+        write = self.write_tokens is not None and getattr(impl, "kv_sharing_target_layer_name", None) is None
+        plan = self.plans.get(self.index[name])
+        window = impl.sliding_window if impl.sliding_window and impl.sliding_window > 0 else None
+        # a layer whose window is not its group's is not audited, nor ALiBi
+        if plan is not None and (getattr(impl, "alibi_slopes", None) is not None or window != g.plan.window):
+            plan = None
+        rep = impl.num_heads // impl.num_kv_heads
+        out3 = output.view(output.shape[0], impl.num_heads, -1)
+        softcap = impl.logits_soft_cap if impl.logits_soft_cap else None
+        sinks = impl.sinks.detach() if getattr(impl, "sinks", None) is not None else None
+        tol = self.auditor.tolerance_for(query.dtype)
+        geom = self.geometry[name]
+        dt = kv_cache.dtype
+        if (g.canary.backend == "fused" and geom.descriptors() is not None and dt in DTYPES
+                and key.dtype == value.dtype == query.dtype == out3.dtype == dt):
+            self._compiled(name, g, geom, key, value, query, out3, write, plan, rep, softcap, sinks, tol,
+                           float(impl.scale))
+            return
+        if write:
+            assert self.write_index is not None
+            slots = g.step.new_slots[self.write_index]
+            self.check_writes(self.index[name], g.name, geom, slots, key[self.write_index], value[self.write_index])
+        if plan is not None:
+            self.check_queries(plan, g.step, geom, query[plan.token, plan.head], out3[plan.token, plan.head], rep,
+                               float(impl.scale), softcap, sinks[plan.head] if sinks is not None else None, tol)
+
+    def _compiled(self, name: str, g: Any, geom: KvGeometry, key: torch.Tensor, value: torch.Tensor,
+                  query: torch.Tensor, out3: torch.Tensor, write: bool, plan: LayerPlan | None, rep: int,
+                  softcap: float | None, sinks: torch.Tensor | None, tol: tuple[float, float], scale: float) -> None:
+        """One layer's write check and audited queries in one compiled call."""
+        self._consts[name] = (rep, scale, softcap or 0.0, tol, None if sinks is None else sinks.float().numpy())
+        qt, fl = NO_QUERIES, floats([(scale, softcap or 0.0, *tol)])
+        if plan is not None:
+            qt, fl = self._tables.get(name) or self._table(name, *self._consts[name])
+        ptrs = np.zeros((1, 4), dtype=np.int64)
+        if write:
+            ptrs[0, PTR_K], ptrs[0, PTR_V] = key.data_ptr(), value.data_ptr()
+        if plan is not None:
+            ptrs[0, PTR_Q], ptrs[0, PTR_O] = query.data_ptr(), out3.data_ptr()
+        shape = (key.stride(), value.stride(), query.stride(), out3.stride(), key.element_size())
+        st = self._strides.get(shape)
+        if st is None:
+            st = self._strides[shape] = np.array(strides(key, 0, 1, 2) + strides(value, 0, 1, 2)
+                                                 + strides(query, 0, 1, 2) + strides(out3, 0, 1, 2), dtype=np.int64)
+            assert st.shape == (STRIDE_COLUMNS,)
+        steps = self._step_descs.get(g.name)
+        if steps is None:
+            from kvcanary.fused._step import describe
+
+            steps = describe(g.step)[None]
+        self.run_compiled(self._layer_row(name, geom, query.dtype), ptrs, st, steps, qt, fl, False,
+                          [self.index[name]], [g.name], geom.token_bytes)
+
+    def _table(self, name: str, rep: int, scale: float, softcap: float, tol: tuple[float, float],
+               sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """One layer's query table and floats (:mod:`kvcanary.audit.tables`) from the forward's queries
+        of that layer and the layer's constants (the layer is row 0 of its own layer table)."""
+        assert self.fa is not None
+        number = self.index[name]
+        picked = [i for i, q in enumerate(self.fa.queries) if q.layer == number]
+        window = self.groups[name].plan.window
+        qt, sink_logits = query_table([self.fa.queries[i] for i in picked], lambda q: 0, lambda q: rep,
+                                      lambda q: window,
+                                      (lambda q: float(sinks[q.head])) if sinks is not None else (lambda q: None),
+                                      4, picked)
+        return qt, floats([(scale, softcap, *tol)], sink_logits)
+
+    def _layer_row(self, name: str, geom: KvGeometry, query_dtype: torch.dtype) -> np.ndarray:
+        """The compiled loop's layer table of one layer (made again when its cache moved)."""
+        got = self._rows.get(name)
+        ptr = geom.tensor.data_ptr()
+        if got is None or got[0] != ptr:
+            got = self._rows[name] = (ptr, np.array([self.layer_row(geom, 0, query_dtype)], dtype=np.int64))
+        return got[1]
+
+    def close(self) -> None:
+        for name in [n for n, a in REGISTRY.items() if a is self]:
+            del REGISTRY[name]
