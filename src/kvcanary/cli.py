@@ -58,7 +58,8 @@ def _setup_time(config: CanaryConfig) -> float:
 def _scripted_run(args: argparse.Namespace, config: CanaryConfig) -> int:
     from kvcanary.canary import Canary
     from kvcanary.sim import workload
-    from kvcanary.sim.engine import EngineSpec, ScriptedEngine
+    from kvcanary.sim.engine import ScriptedEngine
+    from kvcanary.sim.spec import EngineSpec
 
     wl = workload.Workload(requests=args.requests, seed=args.seed)
     need = -(-wl.max_request_tokens // args.block_size)
@@ -186,7 +187,8 @@ def _transformers_run(args: argparse.Namespace, config: CanaryConfig) -> int:
 
     import torch
 
-    from kvcanary.engines.transformers import cb_configs, protect, tiny_model
+    from kvcanary.engines.transformers.entry import protect
+    from kvcanary.engines.transformers.models import cb_configs, tiny_model
     from kvcanary.faults.transformers_cb import CbFault
 
     model = tiny_model(seed=args.seed, layers=args.layers, path=args.model)
@@ -344,7 +346,7 @@ def _selftest_engines(args: argparse.Namespace, say: Callable[..., None]) -> lis
         try:
             import transformers
 
-            from kvcanary.engines.transformers import check_version
+            from kvcanary.engines.transformers.entry import check_version
             from kvcanary.errors import UnsupportedError
 
             try:
@@ -395,7 +397,7 @@ def _catalog_rows(engines: list[str], seeds: int, say: Callable[..., None]) -> l
                         results.append(runner.run_transformers(fc, seed))
                         continue
                     if model is None:
-                        from kvcanary.engines.transformers import tiny_model
+                        from kvcanary.engines.transformers.models import tiny_model
 
                         model = tiny_model(seed=0, layers=2)
                     results.append(runner.run_transformers(fc, seed, model))

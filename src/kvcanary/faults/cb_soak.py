@@ -212,7 +212,7 @@ class Session:
 def session(model: Any, cfg: CbConfig, guard_config: CanaryConfig | None = None, hooks: Sequence[Any] = ()) -> Session:
     """One run of ``cfg`` (the warm session unprotected; the measured one under ``guard_config``,
     with ``hooks`` run before each forward's checks)."""
-    from kvcanary.engines.transformers import protect
+    from kvcanary.engines.transformers.entry import protect
 
     gen, cb = _engine_configs(cfg)
     warm_ps, ps = prompts(cfg)

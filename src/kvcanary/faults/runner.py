@@ -13,7 +13,8 @@ from kvcanary import checks
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.sim import workload
-from kvcanary.sim.engine import EngineSpec, ScriptedEngine
+from kvcanary.sim.engine import ScriptedEngine
+from kvcanary.sim.spec import EngineSpec
 from kvcanary.engines.base import WORST_OF
 from kvcanary.faults.catalog import CATALOG, FaultClass, Outcome, Point
 from kvcanary.faults.scripted import INJECTORS
@@ -180,7 +181,7 @@ FULL_AUDIT = 64  # audited queries per forward in the "full" runs: every layer a
 
 def transformers_model(fc: FaultClass) -> Any:
     """The tiny model a class runs on in transformers (a window on every layer for the window's classes)."""
-    from kvcanary.engines.transformers import tiny_model
+    from kvcanary.engines.transformers.models import tiny_model
 
     return tiny_model(seed=0, layers=2, sliding_window=16 if fc.name in SLIDING_FAULTS else None)
 
@@ -204,7 +205,8 @@ def run_transformers(fc: FaultClass, seed: int, model: Any = None, audit: bool =
 def _run_transformers(fc: FaultClass, seed: int, model: Any, audit: bool) -> FaultResult:
     import torch
 
-    from kvcanary.engines.transformers import cb_configs, protect
+    from kvcanary.engines.transformers.entry import protect
+    from kvcanary.engines.transformers.models import cb_configs
     from kvcanary.faults.transformers_cb import CbFault
 
     model = model if model is not None else transformers_model(fc)

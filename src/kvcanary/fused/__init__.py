@@ -101,10 +101,9 @@ def _warm_up() -> None:
     fill_tokens(i32(0, 1), i32(1), np.zeros((1, 1), dtype=np.int64), i64(0), i64(0))
     fill_new(i32(0, 1), i32(1), i64(0), np.ones(1, dtype=np.bool_), i64(0), i64(0), i64(0))
 
-    d, led = describe(step), np.full(8, -1, dtype=np.int64)
-    st, c, rg = stamps.data_ptr(), counters.data_ptr(), ring.data_ptr()
     cursor = torch.zeros(1, dtype=torch.int64)  # held: the loop writes through its address
-    forward._before(d, st, 8, table.src, table.runs, table.keys, c, cursor.data_ptr(), -1, rg, 4,
-                    table.bytes_per_slot, 1, True, led, led.copy(), 0)
-    forward._after(d, st, 8, table.src, table.runs, table.keys, c, rg, 4, table.bytes_per_slot, True,
-                   np.full((9, 2), -1, dtype=np.int64), led, led.copy(), 0, True, 0, 0, 0, 0, 0, 0, 0, 0, 1)
+    record = np.zeros(forward.CANARY_FIELDS, dtype=np.int64)
+    record[[forward.C_STAMPS, forward.C_NUM_SLOTS, forward.C_COUNTERS, forward.C_CURSOR, forward.C_RING, forward.C_CAP,
+            forward.C_BPS]] = (stamps.data_ptr(), 8, counters.data_ptr(), cursor.data_ptr(), ring.data_ptr(), 4,
+                               table.bytes_per_slot)
+    forward.warm_up(describe(step), record, (table.src, table.runs, table.keys), np.full((9, 2), -1, dtype=np.int64))

@@ -8,7 +8,8 @@ the Python side (no padding writes to check, no reads of this step's own writes)
 the step count and the forward's share of the patrol scrub. Each runs the same compiled loops as the
 separate ops (:mod:`kvcanary.fused.ops`), in the same order, so the two paths agree bit for bit
 (``tests/test_fused_forward.py``); what the Python side passes per call is the step's descriptor
-and a few integers, everything else is bound once per canary in :class:`ForwardArgs`.
+and a few integers, everything else is bound once per canary in :class:`ForwardArgs`: the canary's
+addresses and sizes in one int64 record, this call's values in another, each field named below.
 """
 
 from __future__ import annotations
@@ -28,26 +29,39 @@ from kvcanary.violations import Site
 INVALID, DONE, STAMPED = -1, 0, 1  # what the after-forward entry did (see _after)
 _SITE_SCRUB = int(Site.SCRUB)
 
+# a canary's record (bound once): the addresses of its stamps, counters, cursor and ring, its sizes,
+# and its guard slots' addresses and counts (kvcanary.guards)
+C_STAMPS, C_NUM_SLOTS, C_COUNTERS, C_CURSOR, C_RING, C_CAP, C_BPS = range(7)
+C_GUARD, C_NRES, C_NGUARD, C_GBASE, C_GHIT, C_GWAS, C_GGOT = range(7, 14)
+CANARY_FIELDS = 14
+# one call's record: the content budget in slots (-1: all), verify's part, whether to check the
+# step's values, the forward's number, whether the after entry runs the forward's tail (the guard,
+# the step count, the patrol), and the patrol's first slot and slot count
+K_CONTENT, K_PART, K_CHECK, K_FORWARD, K_TAIL, K_PATROL_FROM, K_PATROL_N = range(7)
+CALL_FIELDS = 7
+
 
 @njit(**JIT)
-def _before(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slots, ring, cap, bps, part, check,  # type: ignore[no-untyped-def]
-            led_at, led_before, forward):
+def _before(d, c, k, src, runs, keys, led_at, led_before):  # type: ignore[no-untyped-def]
     """-1 when the step's values fail the check (nothing verified), else the read slots verified."""
-    if check and _validate(d, num_slots):
+    n = c[C_NUM_SLOTS]
+    if k[K_CHECK] and _validate(d, n):
         return -1
-    return _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slots, ring, cap, bps, part,
-                   led_at, led_before, forward)
+    return _verify(d, c[C_STAMPS], n, src, runs, keys, c[C_COUNTERS], c[C_CURSOR], k[K_CONTENT], c[C_RING], c[C_CAP],
+                   c[C_BPS], k[K_PART], led_at, led_before, k[K_FORWARD])
 
 
 @njit(**JIT)
-def _after(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, check, writers, led_at, led_before,  # type: ignore[no-untyped-def]
-           forward, tail, guard_slots, nres, nguard, gbase, ghit, gwas, ggot, patrol_from, patrol_n):
+def _after(d, c, k, src, runs, keys, writers, led_at, led_before):  # type: ignore[no-untyped-def]
     """INVALID: the step's values fail the check, nothing done. STAMPED: the writes are stamped and
-    recorded, and the rest of the forward's work is the caller's (``tail`` was 0, or some row reads
-    slots this step wrote). DONE: that rest ran too: the guard slots, the step count, and the
-    patrol's ``patrol_n`` slots from ``patrol_from`` (marked in the ledger at ``forward + 1``, the
-    forward the canary counts next, as a separate patrol call after the forward would)."""
-    if check and _validate(d, num_slots):
+    recorded, and the rest of the forward's work is the caller's (``K_TAIL`` was 0, or some row
+    reads slots this step wrote). DONE: that rest ran too: the guard slots, the step count, and the
+    patrol's ``K_PATROL_N`` slots from ``K_PATROL_FROM`` (marked in the ledger at the forward the
+    canary counts next, as a separate patrol call after the forward would)."""
+    stamps, num_slots, counters, ring, cap, bps = c[C_STAMPS], c[C_NUM_SLOTS], c[C_COUNTERS], c[C_RING], c[C_CAP], \
+        c[C_BPS]
+    forward = k[K_FORWARD]
+    if k[K_CHECK] and _validate(d, num_slots):
         return INVALID
     nrows = d[NROWS]
     seed = np.empty(nrows, dtype=np.int64)
@@ -60,15 +74,17 @@ def _after(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, chec
             s = rd(d, NS, t)
             if 0 <= s < num_slots:
                 mark_checked(led_at, led_before, s, forward)
-    if not tail:
+    if not k[K_TAIL]:
         return STAMPED
     if d[WF] != 0:
         for r in range(nrows):
             if rd(d, WF, r) < rd(d, CL, r):
                 return STAMPED
-    if nguard:
-        _guard(stamps, src, runs, keys, guard_slots, nres, nguard, gbase, ghit, gwas, ggot, counters, ring, cap)
+    if c[C_NGUARD]:
+        _guard(stamps, src, runs, keys, c[C_GUARD], c[C_NRES], c[C_NGUARD], c[C_GBASE], c[C_GHIT], c[C_GWAS],
+               c[C_GGOT], counters, ring, cap)
     bump(counters, _STEPS, 1)
+    patrol_n, patrol_from = k[K_PATROL_N], k[K_PATROL_FROM]
     if patrol_n:
         step_id = ld_i64(counters + 8 * _STEPS)
         live = 0
@@ -83,9 +99,10 @@ def _after(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, chec
 
 
 class ForwardArgs:
-    """One canary's arguments to the compiled forward entries, bound once: the addresses of its
-    stamps, counters, ring, cursor and guard state, its layout table and ledger arrays. The tensors
-    behind them live as long as the canary and are never reallocated."""
+    """One canary's arguments to the compiled forward entries, bound once: the canary's record (the
+    addresses of its stamps, counters, ring, cursor and guard state, and its sizes), its layout
+    table and ledger arrays. The tensors behind them live as long as the canary and are never
+    reallocated."""
 
     def __init__(self, canary: Any) -> None:
         c = canary
@@ -93,23 +110,39 @@ class ForwardArgs:
         g = c.guards
         self._keep = (c.stamps, c.ring, c.cursor, c.writers, g.every, c.table)
         ring = c.ring.rows
-        cap = ring.shape[0]
         table = c.table
         ledger = c.ledger
         self.led = (ledger.at, ledger.before) if ledger is not None else (_NO_LEDGER, _NO_LEDGER)
-        self.head = (checked_out(c.stamps, (n, 4)), n, table.src, table.runs, table.keys,
-                     checked_out(c.ring.counters, (c.ring.counters.shape[0],)))
-        self.ring = (checked_out(ring, tuple(ring.shape)), cap, table.bytes_per_slot)
-        self.cursor = checked_out(c.cursor, (1,))
+        self.tables = (table.src, table.runs, table.keys)
         self.writers = c.writers.numpy()
         nres = int(g.reserved.shape[0])
         ng = int(g.every.shape[0])
-        guard_state = [checked_out(t, (nres,)) for t in (g.base, g.hit, g.was, g.got)]
-        self.guard = (checked_out(g.every, (ng,)) if ng else 0, nres, ng, *guard_state)
+        record = np.zeros(CANARY_FIELDS, dtype=np.int64)
+        record[[C_STAMPS, C_NUM_SLOTS, C_COUNTERS, C_CURSOR, C_RING, C_CAP, C_BPS]] = (
+            checked_out(c.stamps, (n, 4)), n, checked_out(c.ring.counters, (c.ring.counters.shape[0],)),
+            checked_out(c.cursor, (1,)), checked_out(ring, tuple(ring.shape)), ring.shape[0], table.bytes_per_slot)
+        record[[C_GUARD, C_NRES, C_NGUARD]] = checked_out(g.every, (ng,)) if ng else 0, nres, ng
+        record[[C_GBASE, C_GHIT, C_GWAS, C_GGOT]] = [checked_out(t, (nres,)) for t in (g.base, g.hit, g.was, g.got)]
+        self.record = record
+        self.call = np.zeros(CALL_FIELDS, dtype=np.int64)  # rewritten by every call
 
     def before(self, d: np.ndarray, content_slots: int, part: int, check: bool, forward: int) -> int:
-        return int(_before(d, *self.head, self.cursor, content_slots, *self.ring, part, check, *self.led, forward))
+        k = self.call
+        k[K_CONTENT], k[K_PART], k[K_CHECK], k[K_FORWARD] = content_slots, part, check, forward
+        return int(_before(d, self.record, k, *self.tables, *self.led))
 
     def after(self, d: np.ndarray, check: bool, forward: int, tail: bool, patrol_from: int, patrol_n: int) -> int:
-        return int(_after(d, *self.head, *self.ring, check, self.writers, *self.led, forward, tail, *self.guard,
-                          patrol_from, patrol_n))
+        k = self.call
+        k[K_CHECK], k[K_FORWARD], k[K_TAIL], k[K_PATROL_FROM], k[K_PATROL_N] = check, forward, tail, patrol_from, \
+            patrol_n
+        return int(_after(d, self.record, k, *self.tables, self.writers, *self.led))
+
+
+def warm_up(d: np.ndarray, record: np.ndarray, tables: tuple[np.ndarray, ...], writers: np.ndarray) -> None:
+    """Both entries once on a tiny canary's arguments (:func:`kvcanary.fused.available`)."""
+    led = np.full(writers.shape[0] - 1, -1, dtype=np.int64)
+    k = np.zeros(CALL_FIELDS, dtype=np.int64)
+    k[K_CONTENT], k[K_PART], k[K_CHECK] = -1, 1, 1
+    _before(d, record, k, *tables, led, led.copy())
+    k[K_TAIL], k[K_PATROL_N] = 1, 1
+    _after(d, record, k, *tables, writers, led, led.copy())
