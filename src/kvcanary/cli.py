@@ -535,6 +535,10 @@ def _warmup(args: argparse.Namespace) -> int:
     actual = sorted({d.stats.cache_path for d in loops.values()})  # numba's default where ours is not writable
     at = where if where and all(p.startswith(where + os.sep) for p in actual) else ", ".join(actual)
     made, loaded = fused.compiled(), fused.loaded()
+    damaged = cache.discarded()  # each also said in one warning line, as it was found
+    if damaged:
+        print(f"discarded the damaged cache of {len(damaged)} loop(s) ({', '.join(sorted(set(damaged)))}) and "
+              f"compiled them again")
     if made:
         print(f"cached in {at} ({took:.1f} s): {made} loops compiled" + (f", {loaded} loaded" if loaded else ""))
     else:
