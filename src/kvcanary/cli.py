@@ -69,6 +69,12 @@ def _scripted_run(args: argparse.Namespace, config: CanaryConfig) -> int:
         return 2
     spec = EngineSpec(num_blocks=args.blocks, block_size=args.block_size, num_layers=args.layers,
                       layout=args.layout, table=args.table, seed=args.seed)
+    # K and V of every layer, then the canary's stamps, last writers and check ledger
+    per_slot = args.layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize + 56
+    too_big = _pool_fits(args, per_slot, f"K and V of {args.layers} layers and the canary's 56 bytes")
+    if too_big:
+        print(f"kvcanary demo: {too_big}", file=sys.stderr)
+        return 2
     eng = ScriptedEngine(spec)
     setup = _setup_time(config)
     t0 = time.perf_counter()
@@ -189,6 +195,12 @@ def _transformers_run(args: argparse.Namespace, config: CanaryConfig) -> int:
     from kvcanary.engines.transformers import cb_configs, protect, tiny_model
     from kvcanary.faults.transformers_cb import CbFault
 
+    if args.model is None:  # the tiny model: K and V of 4 heads of 32 fp32 channels a layer
+        too_big = _pool_fits(args, args.layers * 2 * 4 * 32 * 4 + 56,
+                             f"K and V of {args.layers} layers and the canary's 56 bytes")
+        if too_big:
+            print(f"kvcanary demo: {too_big}", file=sys.stderr)
+            return 2
     model = tiny_model(seed=args.seed, layers=args.layers, path=args.model)
     prompts = _prompts(args.requests, args.seed)
     gen, cb = cb_configs(max_new_tokens=args.max_new_tokens, num_blocks=args.blocks)
@@ -443,8 +455,8 @@ def _soak(steps: int, say: Callable[..., None]) -> dict[str, Any]:
             "slots_verified": st["slots_verified"], **_coverage(st)}
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
+def _count(minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (and at most ``maximum``, for ``why``)."""
 
     def parse(text: str) -> int:
         try:
@@ -453,9 +465,30 @@ def _count(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if n < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {n}")
+        if maximum is not None and n > maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer in {minimum} .. {maximum}{why}, got {n}")
         return n
 
     return parse
+
+
+def _memory() -> int | None:
+    """This machine's memory in bytes (``None`` where it cannot be told)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _pool_fits(args: argparse.Namespace, slot_bytes: int, what: str) -> str | None:
+    """Why the demo's KV pool (``--blocks`` x block size slots of ``slot_bytes`` each, ``what`` says of
+    what) cannot be allocated here ("expected X, got Y"), or ``None``: said before anything is allocated."""
+    block = args.block_size if args.engine == "scripted" else 8  # the transformers demo's page size
+    need, have = args.blocks * block * slot_bytes, _memory()
+    if have is None or 2 * need <= have:
+        return None
+    return (f"--blocks: expected a KV pool within half of this machine's {have / 2**30:.1f} GiB, got {args.blocks} "
+            f"blocks x {block} slots x {slot_bytes} bytes ({what}) = {need / 2**30:.1f} GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -470,13 +503,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--engine", default="transformers", choices=["transformers", "scripted"],
                    help="transformers continuous batching (default) or the scripted paged engine")
     d.add_argument("--inject", action="store_true", help="also run with faults injected and show each detection")
-    d.add_argument("--requests", type=_count(1), default=32)
-    d.add_argument("--max-new-tokens", type=_count(1), default=16, help="(transformers)")
+    d.add_argument("--requests", type=_count(1, 100_000, " (a demo's run, not a benchmark)"), default=32)
+    d.add_argument("--max-new-tokens", type=_count(1, 960, " (the tiny model's 1024 positions, less the prompt)"),
+                   default=16, help="(transformers)")
     d.add_argument("--model", help="(transformers) a local model directory "
                    "(default: a tiny random Llama, nothing downloaded)")
-    d.add_argument("--blocks", type=_count(1), default=96, help="KV blocks in the pool")
-    d.add_argument("--block-size", type=_count(1), default=8, help="(scripted) slots per block")
-    d.add_argument("--layers", type=_count(1), default=4)
+    d.add_argument("--blocks", type=_count(1, 1 << 24, " (and a pool within half of this machine's memory)"),
+                   default=96, help="KV blocks in the pool")
+    d.add_argument("--block-size", type=_count(1, 1024, " (slots per block)"), default=8,
+                   help="(scripted) slots per block")
+    d.add_argument("--layers", type=_count(1, 256, " (a demo model's layers)"), default=4)
     d.add_argument("--layout", default="paged", choices=["flat", "paged", "packed", "head_major", "mla"],
                    help="(scripted) how the KV bytes are laid out")
     d.add_argument("--table", default="block", choices=["block", "token"], help="(scripted) block or token table")
