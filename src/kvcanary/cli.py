@@ -30,6 +30,14 @@ EXIT_CODES = """exit status:
   1  a violation where none was expected, a fault not detected within its deadline,
      or outputs that changed under the canary
   2  bad usage or a missing optional dependency"""
+REPORT_EXIT_CODES = """exit status:
+  0  no violations in the log
+  1  violations in the log
+  2  not a violation log (no line of it is a violation event), the file cannot be read,
+     or the --html page cannot be written (said before anything is printed)
+  4  added to 0 or 1 when lines were skipped (torn by a crash, not JSON, not violation
+     events; counted, and the first named by number): 4 = skipped lines and no
+     violations in the rest, 5 = skipped lines and violations"""
 
 
 def _coverage(st: dict) -> dict[str, float]:
@@ -530,10 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the matrix as one JSON object")
     t.set_defaults(fn=_selftest)
     r = sub.add_parser("report", help="summarize a JSONL violation log (and write an HTML page)",
-                       description="Read a JSONL violation log (KVCANARY_VIOLATIONS_LOG) and print what broke, whom "
-                       "it hurt and when; --html writes a one-page report with pictures. Exit status 1 when the "
-                       "log holds violations, 2 when it cannot be read.", **kw)
-    r.add_argument("file", help="the violation log")
+                       description="Read a JSONL violation log (KVCANARY_VIOLATIONS_LOG; gzip-compressed too) and "
+                       "print what broke, whom it hurt and when (wall-clock times in UTC; step numbers count per "
+                       "process); --html writes a one-page report with pictures. Lines a crash left torn, or that "
+                       "are not violation events, are skipped, counted and named by number.",
+                       epilog=REPORT_EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("file", help="the violation log (.jsonl, or .jsonl.gz)")
     r.add_argument("--html", metavar="OUT", help="also write a one-page HTML report to OUT")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     r.set_defaults(fn=_report_cmd)
