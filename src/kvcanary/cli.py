@@ -547,10 +547,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--html", metavar="OUT", help="also write a one-page HTML report to OUT")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     r.set_defaults(fn=_report_cmd)
-    m = sub.add_parser("monitoring", help="where the Prometheus alerting rules and the Grafana dashboard are",
-                       description="Print the paths of the Prometheus alerting rules and the Grafana dashboard shipped "
-                       "with kvcanary (or copy them to a directory).", **kw)
-    m.add_argument("--copy", metavar="DIR", help="copy both files into DIR")
+    m = sub.add_parser("monitoring", help="where the Prometheus alerting rules, the Grafana dashboard and the "
+                       "runbook are", description="Print the paths of the Prometheus alerting rules, the Grafana "
+                       "dashboard and the runbook shipped with kvcanary, or copy them into a directory. A file there "
+                       "that was edited since kvcanary copied it is kept (and named) unless --force.", **kw)
+    m.add_argument("--copy", metavar="DIR", help="copy the three files into DIR")
+    m.add_argument("--force", action="store_true", help="with --copy: replace files edited in DIR too")
+    m.add_argument("--runbook-url", metavar="URL", help="with --copy: where you publish RUNBOOK.md, for the rules' "
+                   "runbook_url annotations (each alert's section anchor is appended)")
     m.set_defaults(fn=_monitoring)
     w = sub.add_parser("warmup", help="compile the fused CPU loops into their cache (once per machine)",
                        description="Compile (or load, when cached) every compiled CPU loop the canary and the "
@@ -595,16 +599,27 @@ def _warmup(args: argparse.Namespace) -> int:
 def _monitoring(args: argparse.Namespace) -> int:
     from kvcanary import monitoring
 
+    if (args.force or args.runbook_url) and not args.copy:
+        print("kvcanary monitoring: --force and --runbook-url go with --copy DIR", file=sys.stderr)
+        return 2
     if args.copy:
         try:
-            paths = monitoring.copy(args.copy)
+            done = monitoring.copy(args.copy, force=args.force, runbook_url=args.runbook_url)
         except OSError as e:
             print(f"kvcanary monitoring: cannot copy into {args.copy!r}: {e}", file=sys.stderr)
             return 2
+        for p in done.written:
+            print(f"copied {p}")
+        for p in done.unchanged:
+            print(f"up to date: {p}")
+        for p in done.kept:
+            print(f"kept {p}: edited there since kvcanary copied it (--force replaces it with kvcanary's)")
+        paths = done.paths
     else:
-        paths = [monitoring.RULES, monitoring.DASHBOARD]
+        paths = list(monitoring.FILES)
     print(f"alerting rules (prometheus.yml: rule_files): {paths[0]}")
     print(f"Grafana dashboard (import as JSON; pick the Prometheus data source): {paths[1]}")
+    print(f"runbook (what each alert means and what to do; the rules' runbook_url): {paths[2]}")
     return 0
 
 
