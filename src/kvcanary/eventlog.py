@@ -104,13 +104,11 @@ def scan(path: str) -> Scan:
     out = Scan()
     for n, raw in _lines(path, out):
         ev, why = _parse(raw)
-        if why is None:
-            out.events.append(ev)
-            continue
-        out.bad.append((n, why))
+        if why is not None:
+            out.bad.append((n, why))
+            out.salvaged += ev is not None
         if ev is not None:
             out.events.append(ev)
-            out.salvaged += 1
     return out
 
 
@@ -197,11 +195,11 @@ def read(path: str) -> list[dict[str, Any]]:
     :func:`scan` reads past such lines instead.
     """
     out = Scan()
-    events = []
+    events: list[dict[str, Any]] = []
     for n, raw in _lines(path, out):
         ev, why = _parse(raw)
-        if why is not None:
-            raise EventLogError(path, n, why)
+        if why is not None or ev is None:
+            raise EventLogError(path, n, why or "expected a violation event")
         events.append(ev)
     if out.cut:
         raise EventLogError(path, out.lines + 1, out.cut)
