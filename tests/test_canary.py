@@ -1,6 +1,7 @@
 """Modes, reporting, the ring's overflow accounting, release, counters, configuration."""
 
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -233,12 +234,16 @@ def _boom(found):
 def test_a_failing_sink_still_raises_the_corruption_error_and_the_other_sinks_run(sink, tmp_path, caplog):
     got = []
     log_path = str(tmp_path / "v.jsonl")
-    if sink == "log_is_a_directory":
-        log_path = str(tmp_path)
-    elif sink == "log_unwritable":
+    if sink == "log_unwritable":
         log_path = str(tmp_path / "missing" / "v.jsonl")
+        os.mkdir(tmp_path / "missing")
     callbacks = [_boom, got.extend] if sink == "callback" else [got.extend]
     c, step = _flipped("raise", violations_log=log_path)
+    # the config refuses such paths up front: here they break after it was made
+    if sink == "log_is_a_directory":
+        os.mkdir(log_path)
+    elif sink == "log_unwritable":
+        os.rmdir(tmp_path / "missing")
     c.callbacks = callbacks
     c.before_forward(step)
     with caplog.at_level(logging.ERROR, "kvcanary"), pytest.raises(KvCorruptionError) as ei:
@@ -267,7 +272,9 @@ def test_an_adapters_failing_sink_still_raises_and_leaves_the_error_pending(tmp_
     c, step = _flipped("raise")
     c.before_forward(step)
     found = c.drain()
-    adapter = Adapter(CanaryConfig(mode="raise", violations_log=str(tmp_path)), on_violation=_boom)
+    log = tmp_path / "violations.jsonl"
+    adapter = Adapter(CanaryConfig(mode="raise", violations_log=str(log)), on_violation=_boom)
+    log.mkdir()  # the log's path turned into a directory after the config was checked: the sink fails
     with pytest.raises(KvCorruptionError) as ei:
         adapter.report(found)
     assert adapter.pending is ei.value and adapter.violations == found

@@ -1,9 +1,11 @@
 """``kvcanary report``: a real faulted run's JSONL violation log read back as a summary (kinds,
 requests to retry, steps, slots), as JSON, and as an HTML page with the two pictures."""
 
+import gzip
 import json
 import logging
 import re
+import socket
 
 import pytest
 import torch
@@ -95,14 +97,128 @@ GOOD = '{"site": "verify", "step": 3, "checks": ["CONTENT"], "violations": [{"sl
      "diagnosis: expected an object or null, got 5"),
     ("{not json", "expected a JSON object (one violation event), got text that is not JSON"),
 ])
-def test_a_line_that_is_not_an_event_is_refused_with_its_file_and_line(line, expected, tmp_path, capsys):
+def test_a_line_that_is_not_an_event_is_skipped_counted_and_named_by_number(line, expected, tmp_path, capsys):
     log = tmp_path / "odd.jsonl"
     log.write_text(GOOD + "\n\n" + line + "\n")
+    assert cli.main(["report", str(log), "--json"]) == 5  # violations (1), and a line skipped (4)
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert got["events"] == 1 and got["skipped_lines"] == 1 and got["lines"] == 2
+    assert got["skipped"][0]["line"] == 3 and expected in got["skipped"][0]["reason"]
+    assert err.startswith(f"kvcanary report: {log}: skipped 1 of 2 line(s) that are not violation events (line 3: ")
+    assert expected in err
+
+
+def test_a_file_without_one_violation_event_is_refused_naming_its_first_line(tmp_path, capsys):
+    log = tmp_path / "notes.txt"
+    log.write_text("hello\n[1, 2]\n")
     assert cli.main(["report", str(log)]) == 2
     out, err = capsys.readouterr()
     assert out == ""  # nothing printed before the refusal
-    assert f"kvcanary report: cannot read {str(log)!r} as a JSONL violation log: line 3: " in err
-    assert expected in err
+    assert err.strip() == (f"kvcanary report: cannot read {str(log)!r} as a JSONL violation log: line 1: expected a "
+                           f"JSON object (one violation event), got text that is not JSON (Expecting value: line 1 "
+                           f"column 1 (char 0)) (none of its 2 line(s) is a violation event)")
+
+
+def _event(step, request, t, pid, slot=40, host="node-1"):
+    return json.dumps({"time": t, "pid": pid, "host": host, "engine": "vllm", "rank": 0, "group": "full",
+                       "site": "verify", "step": step, "request": request, "checks": ["CONTENT"],
+                       "summary": f"[verify step {step}] {request}", "violations": [{"slot": slot, "step": step}]})
+
+
+T0 = 1767323471.25  # 2026-01-02 03:11:11.250 UTC
+
+
+def test_a_log_a_crash_left_torn_is_read_past_the_damage(tmp_path, capsys):
+    lines = [_event(3, "a", T0, 11), _event(4, "b", T0 + 1, 11)]
+    torn = _event(5, "c", T0 + 2, 11)[:37]  # the process died mid-write; the next one appends to the fragment
+    lines += [torn + _event(1, "d", T0 + 30, 12), "\x00" * 12, _event(2, "e", T0 + 31, 12), _event(6, "f", T0 + 3, 11)[:50]]
+    log = tmp_path / "crashed.jsonl"
+    log.write_text("\n".join(lines))  # the last line torn too, without its newline
+    assert cli.main(["report", str(log), "--json"]) == 5
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert set(got["requests"]) == {"a", "b", "d", "e"}  # d came after the torn start of c, on its line
+    assert [(b["line"], b["reason"].split(", got ")[1][:12]) for b in got["skipped"]] == [
+        (3, "a torn one: "), (4, "12 NUL byte("), (6, "text that is")]
+    assert "skipped 3 of 6 line(s)" in err and "line 3: " in err and "line 4: " in err and "line 6: " in err
+
+
+def test_wall_clock_times_per_request_and_steps_per_process(tmp_path, capsys):
+    # two processes, whose step numbers both start again at 1: only the times order them
+    log = tmp_path / "fleet.jsonl"
+    log.write_text("\n".join([_event(7, "r1", T0, 11), _event(9, "r1", T0 + 65, 11),
+                              _event(2, "r2", T0 + 70, 12, host="node-2")]) + "\n")
+    assert cli.main(["report", str(log), "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert (got["first_time"], got["last_time"], got["times"]) == (T0, T0 + 70, "UTC")
+    assert (got["first_seen"], got["last_seen"]) == ("2026-01-02 03:11:11.250", "2026-01-02 03:12:21.250")
+    hurt = {r["request"]: r for r in got["requests_hurt"]}
+    assert (hurt["r1"]["first_seen"], hurt["r1"]["last_seen"]) == ("2026-01-02 03:11:11.250", "2026-01-02 03:12:16.250")
+    assert hurt["r1"]["steps_by_process"] == {"vllm rank 0 pid 11 on node-1": [7, 9]}
+    assert got["kinds"][0]["steps_by_process"] == {"vllm rank 0 pid 11 on node-1": [7, 9],
+                                                   "vllm rank 0 pid 12 on node-2": [2, 2]}
+    assert "2026-01-02 03:11:11.250 .. 2026-01-02 03:12:21.250 UTC (1 min 10 s)" in got["headline"]
+    assert "reported by 2 processes (steps count per process)" in got["headline"] and "steps 2 .. 9" not in got["headline"]
+    assert cli.main(["report", str(log)]) == 1
+    text = capsys.readouterr().out
+    assert "first seen (UTC)" in text and "2026-01-02 03:12:16.250" in text
+    assert "step numbers count the forwards of one process and start again in each" in text
+    page = tmp_path / "fleet.html"  # the page's tables do not wrap: the steps of each process, by name
+    assert cli.main(["report", str(log), "--html", str(page)]) == 1
+    body = page.read_text()
+    assert "7 .. 9 (vllm rank 0 pid 11 on node-1); 2 .. 2 (vllm rank 0 pid 12 on node-2)" in body
+    assert "Violations over time (UTC)" in body and "2026-01-02 03:12:21.250" in body
+
+
+def test_the_requests_table_says_how_many_more_requests_there_are(tmp_path, capsys):
+    log = tmp_path / "many.jsonl"
+    log.write_text("\n".join(_event(i, f"req_{i:02d}", T0 + i, 11, slot=i) for i in range(33)) + "\n")
+    assert cli.main(["report", str(log)]) == 1
+    text = capsys.readouterr().out
+    assert "... and 13 more request(s) (--json lists every one)" in text  # 20 shown of 33
+    assert "... and 23 more slot(s) (--json lists every one)" in text  # 10 shown of 33
+    assert cli.main(["report", str(log), "--json"]) == 1
+    assert len(json.loads(capsys.readouterr().out)["requests_hurt"]) == 33
+
+
+def test_gzip_logs_and_a_byte_order_mark_are_read(faulted_log, tmp_path, capsys):
+    log, _ = faulted_log
+    assert cli.main(["report", log, "--json"]) == 1
+    plain = json.loads(capsys.readouterr().out)
+    raw = open(log, "rb").read()
+    gz = tmp_path / "violations.jsonl.1.gz"  # as logrotate leaves it
+    gz.write_bytes(gzip.compress(raw))
+    assert cli.main(["report", str(gz), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["requests_hurt"] == plain["requests_hurt"]
+    bom = tmp_path / "bom.jsonl"  # as an editor on another system saves it
+    bom.write_bytes(b"\xef\xbb\xbf" + raw)
+    assert cli.main(["report", str(bom), "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert got["events"] == plain["events"] and got["skipped_lines"] == 0
+    cut = tmp_path / "cut.jsonl.gz"  # a rotation caught mid-compression
+    data = gzip.compress(raw * 4)
+    cut.write_bytes(data[: len(data) * 3 // 4])
+    code = cli.main(["report", str(cut), "--json"])
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert code == 5 and 0 < got["events"] < 4 * plain["events"], (code, got["events"])
+    assert "the compressed file ends before its end marker (cut short)" in got["cut"] and "cut short" in err
+
+
+def test_the_help_lists_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--help"])
+    out = capsys.readouterr().out
+    assert "exit status:" in out and "5 = skipped lines and violations" in out and "gzip" in out
+
+
+def test_log_lines_say_when_and_where(faulted_log):
+    from kvcanary import eventlog
+
+    log, _ = faulted_log
+    evs = eventlog.read(log)
+    assert all(isinstance(e["time"], float) and e["host"] == socket.gethostname() and e["pid"] > 0 for e in evs)
 
 
 def test_an_event_line_with_only_the_needed_fields_is_read(tmp_path, capsys):

@@ -460,3 +460,87 @@ def test_a_metadata_only_canary_keeps_an_adapters_reserved_slots_quiet():
     layout = dataclasses.replace(paged_layout(NS // BS, BS), reserved=tuple(range(BS)))
     canary = Canary(NS, layout, CanaryConfig(mode="raise", content="none"))  # the canary's own choice: no bytes
     assert canary.guard_slots == 0
+
+
+# ---- 10. values that would crash later, or switch a check off without a word --------------------
+
+def test_a_ring_too_large_is_refused_before_anything_is_allocated():
+    from kvcanary import config
+    from kvcanary.violations import NUM_FIELDS
+
+    assert config.RING_ROW_BYTES == NUM_FIELDS * 8
+    CanaryConfig(ring_capacity=config.MAX_RING_CAPACITY)
+    with pytest.raises(ConfigError, match=r"^KVCANARY_RING_CAPACITY: expected an integer in 1 \.\. 1048576, got "
+                                          r"1000000000000: the ring is 112 bytes a row .*\(1048576 rows are 112 MiB\)"):
+        CanaryConfig.from_env(environ={"KVCANARY_RING_CAPACITY": str(10**12)})
+    with pytest.raises(ConfigError, match=r"^ring_capacity: expected an integer in 1 \.\. 1048576, got 1048577"):
+        CanaryConfig(ring_capacity=(1 << 20) + 1)
+
+
+@pytest.mark.parametrize("env, value", [("5", 5.0), ("2", 2.0), ("2.0", 2.0), ("1e3", 1000.0)])
+def test_an_audit_tolerance_that_switches_the_audit_off_is_refused_and_points_to_audit_queries(env, value):
+    with pytest.raises(ConfigError, match=rf"^KVCANARY_AUDIT_TOLERANCE: expected a number in \(0, 2\) or None, got "
+                                          rf"{value!r}: an audited query's error is max \|engine - reference\| / max "
+                                          rf"\|V\| .*set audit_queries=0 \(KVCANARY_AUDIT_QUERIES=0\)$"):
+        CanaryConfig.from_env(environ={"KVCANARY_AUDIT_TOLERANCE": env})
+    with pytest.raises(ConfigError, match=r"^audit_tolerance: expected a number in \(0, 2\)"):
+        CanaryConfig(audit_tolerance=value)
+    assert CanaryConfig(audit_tolerance=1.99).audit_tolerance == 1.99
+    assert CanaryConfig.from_env(environ={"KVCANARY_AUDIT_TOLERANCE": "auto"}).audit_tolerance is None
+
+
+def test_the_audit_error_of_any_average_of_the_v_rows_read_stays_within_2():
+    # the bound the tolerance check rests on: the worst weighting puts the engine's output at -max|V|
+    # in the channel where the reference sits at +max|V|
+    from kvcanary.audit import reference as audit
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(64, 8), torch.randn(64, 16, 8), torch.randn(64, 16, 8)
+    valid = torch.ones(64, 16, dtype=torch.bool)
+    ref, vmax, _ = audit.attend(q, k, v, valid, 0.35)
+    for _ in range(20):  # engine outputs: any other weights over the same rows, the one-hot extremes included
+        w = torch.softmax(torch.randn(64, 16) * 50, dim=1)
+        assert float(audit.error(torch.einsum("sl,sld->sd", w, v), ref, vmax).max()) <= 2.0
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("missing/v.jsonl", "expected a file in an existing directory, got {p!r}: directory {d!r} does not exist"),
+    (".", "expected a file to append violation events to, got {p!r}, a directory"),
+])
+def test_a_violations_log_that_cannot_be_written_is_refused_up_front(where, expected, tmp_path):
+    path = str(tmp_path / where)
+    with pytest.raises(ConfigError) as ei:
+        CanaryConfig.from_env(environ={"KVCANARY_VIOLATIONS_LOG": path})
+    assert str(ei.value) == "KVCANARY_VIOLATIONS_LOG: " + expected.format(p=path, d=str(tmp_path / "missing"))
+    CanaryConfig(violations_log=str(tmp_path / "v.jsonl"))  # a new file in an existing directory: fine
+
+
+def test_every_config_field_has_its_variable():
+    from kvcanary import config
+
+    assert {f for f, _ in config.ENV.values()} == {f.name for f in dataclasses.fields(CanaryConfig)}
+    assert CanaryConfig.from_env(environ={"KVCANARY_HISTORY": "50"}).history == 50  # was ignored, with a warning
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--blocks", str(10**12)], "argument --blocks: expected an integer in 1 .. 16777216"),
+    (["--block-size", str(10**8)], "argument --block-size: expected an integer in 1 .. 1024"),
+    (["--layers", str(10**6)], "argument --layers: expected an integer in 1 .. 256"),
+    (["--max-new-tokens", "5000"], "argument --max-new-tokens: expected an integer in 1 .. 960"),
+])
+def test_demo_sizes_past_what_a_demo_can_allocate_are_usage_errors(argv, expected, capsys):
+    from kvcanary import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["demo", "--engine", "scripted", *argv])
+    assert ei.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_a_demo_pool_larger_than_the_machine_is_refused_before_allocating(capsys, monkeypatch):
+    from kvcanary import cli
+
+    monkeypatch.setattr(cli, "_memory", lambda: 8 << 30)
+    assert cli.main(["demo", "--engine", "scripted", "--blocks", str(1 << 24), "--layers", "8"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvcanary demo: --blocks: expected a KV pool within half of this machine's 8.0 GiB, got 16777216 blocks x 8 "
+        "slots x 568 bytes (K and V of 8 layers and the canary's 56 bytes) = 71.0 GiB")

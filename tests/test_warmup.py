@@ -1,10 +1,16 @@
 """``kvcanary warmup``: the fused CPU loops compiled once into kvcanary's own cache directory, loaded
-by later processes without compiling (the demo's engine included), numba's global setting untouched."""
+by later processes without compiling (the demo's engine included), numba's global setting untouched;
+a damaged cache file costs its loop a compile, never the fast path."""
 
+import importlib.util
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from kvcanary.fused import cache
 
@@ -36,10 +42,16 @@ print(json.dumps({"took": took, "loaded": loaded, "compiled": compiled, "after_d
 """
 
 
-def test_warmup_compiles_into_the_cache_dir_and_a_later_process_only_loads(tmp_path):
-    where = str(tmp_path / "loops")
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory):
+    """A cache directory ``kvcanary warmup`` compiled every loop into, and what it printed."""
+    where = str(tmp_path_factory.mktemp("warm") / "loops")
+    return where, _run(["warmup"], {"KVCANARY_CACHE_DIR": where}).stdout.splitlines()
+
+
+def test_warmup_compiles_into_the_cache_dir_and_a_later_process_only_loads(warmed):
+    where, first = warmed
     env = {"KVCANARY_CACHE_DIR": where}
-    first = _run(["warmup"], env).stdout.splitlines()
     assert first[0] == f"compiling the fused CPU loops (once per machine, ~20-60 s) into {where} ..."
     assert first[1].startswith(f"cached in {where} (") and "compiled" in first[1]
     assert any(f.endswith(".nbi") for _, _, files in os.walk(where) for f in files)
@@ -92,3 +104,79 @@ def test_loops_are_cached_per_digest_of_their_sources_and_of_the_modules_whose_v
     for module in ("step", "checks", "violations", "hashing"):
         assert f"{module}.py" in cache._INLINED and os.path.exists(os.path.join(root, f"{module}.py"))
     assert all(os.path.exists(os.path.join(root, name)) for name in cache._INLINED)
+
+
+def test_warmup_discards_a_damaged_cache_file_and_compiles_that_loop_again(warmed, tmp_path):
+    where = str(tmp_path / "loops")
+    shutil.copytree(warmed[0], where)  # the loops-<digest> directory travels: numba keys by the sources
+    env = {"KVCANARY_CACHE_DIR": where}
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(where) for f in fs)
+    index = next(f for f in files if os.path.basename(f).startswith("ops._scrub-") and f.endswith(".nbi"))
+    data = next(f for f in files if os.path.basename(f).startswith("ops._verify-") and f.endswith(".nbc"))
+    open(index, "wb").close()  # emptied: EOFError: Ran out of input
+    with open(data, "r+b") as fh:
+        fh.truncate(100)  # cut: UnpicklingError: pickle data was truncated
+    done = _run(["warmup"], env)
+    out = done.stdout.splitlines()
+    assert out[0] == "discarded the damaged cache of 2 loop(s) (ops._scrub, ops._verify) and compiled them again"
+    assert out[1].startswith(f"cached in {where} (") and ": 2 loops compiled, " in out[1], out
+    warned = [line for line in done.stderr.splitlines() if "is damaged" in line]
+    assert len(warned) == 2 and all(line.startswith("kvcanary: the compiled-loop cache of ops._") for line in warned)
+    assert any("EOFError: Ran out of input" in line for line in warned)
+    assert any("UnpicklingError: pickle data was truncated" in line for line in warned)
+    again = _run(["warmup"], env).stdout.splitlines()
+    assert len(again) == 1 and again[0].startswith(f"already cached in {where}: "), again  # cached afresh
+
+
+TINY = """
+from kvcanary.fused.cache import njit
+
+
+@njit(cache=True)
+def add_one(x):
+    return x + 1
+"""
+
+
+def _damage(path, how):
+    if how == "empty":
+        open(path, "wb").close()
+    elif how == "cut":
+        with open(path, "r+b") as fh:
+            fh.truncate(max(1, os.path.getsize(path) // 2))
+    else:  # bytes that are not numba's
+        with open(path, "wb") as fh:
+            fh.write(b"\x80\x05not a pickle at all" * 8)
+
+
+@pytest.mark.parametrize("suffix", [".nbi", ".nbc"])
+@pytest.mark.parametrize("how", ["empty", "cut", "garbage"])
+def test_a_loop_whose_cache_file_is_damaged_is_compiled_again_and_cached_afresh(suffix, how, tmp_path, monkeypatch,
+                                                                                  caplog):
+    src = tmp_path / "src" / "tiny_loop.py"
+    src.parent.mkdir()
+    src.write_text(TINY)
+    monkeypatch.setattr(cache, "_usable", [str(tmp_path / "cache")])  # this process's cache directory
+    spec = importlib.util.spec_from_file_location("tiny_loop", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def fresh():  # a new dispatcher of the same loop: what the next process gets
+        d = cache.njit(cache=True)(mod.add_one.py_func)
+        assert d(41) == 42
+        return sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()), d.stats.cache_path
+
+    assert mod.add_one(1) == 2 and fresh()[:2] == (1, 0)  # compiled and cached, then loaded
+    where = fresh()[2]
+    target = next(os.path.join(where, f) for f in os.listdir(where) if f.endswith(suffix))
+    _damage(target, how)
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        hits, misses, _ = fresh()
+    assert (hits, misses) == (0, 1)  # compiled again: the fast path stays
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    if how == "garbage" and suffix == ".nbi":
+        assert len(said) <= 1  # numba may read such an index as another version's and start afresh itself
+    else:
+        assert len(said) == 1 and said[0].startswith(f"kvcanary: the compiled-loop cache of tiny_loop.add_one in "
+                                                     f"{where} is damaged (")
+    assert fresh()[:2] == (1, 0)  # and cached afresh

@@ -30,6 +30,14 @@ EXIT_CODES = """exit status:
   1  a violation where none was expected, a fault not detected within its deadline,
      or outputs that changed under the canary
   2  bad usage or a missing optional dependency"""
+REPORT_EXIT_CODES = """exit status:
+  0  no violations in the log
+  1  violations in the log
+  2  not a violation log (no line of it is a violation event), the file cannot be read,
+     or the --html page cannot be written (said before anything is printed)
+  4  added to 0 or 1 when lines were skipped (torn by a crash, not JSON, not violation
+     events; counted, and the first named by number): 4 = skipped lines and no
+     violations in the rest, 5 = skipped lines and violations"""
 
 
 def _coverage(st: dict) -> dict[str, float]:
@@ -70,6 +78,12 @@ def _scripted_run(args: argparse.Namespace, config: CanaryConfig) -> int:
         return 2
     spec = EngineSpec(num_blocks=args.blocks, block_size=args.block_size, num_layers=args.layers,
                       layout=args.layout, table=args.table, seed=args.seed)
+    # K and V of every layer, then the canary's stamps, last writers and check ledger
+    per_slot = args.layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize + 56
+    too_big = _pool_fits(args, per_slot, f"K and V of {args.layers} layers and the canary's 56 bytes")
+    if too_big:
+        print(f"kvcanary demo: {too_big}", file=sys.stderr)
+        return 2
     eng = ScriptedEngine(spec)
     setup = _setup_time(config)
     t0 = time.perf_counter()
@@ -191,6 +205,12 @@ def _transformers_run(args: argparse.Namespace, config: CanaryConfig) -> int:
     from kvcanary.engines.transformers.models import cb_configs, tiny_model
     from kvcanary.faults.transformers_cb import CbFault
 
+    if args.model is None:  # the tiny model: K and V of 4 heads of 32 fp32 channels a layer
+        too_big = _pool_fits(args, args.layers * 2 * 4 * 32 * 4 + 56,
+                             f"K and V of {args.layers} layers and the canary's 56 bytes")
+        if too_big:
+            print(f"kvcanary demo: {too_big}", file=sys.stderr)
+            return 2
     model = tiny_model(seed=args.seed, layers=args.layers, path=args.model)
     prompts = _prompts(args.requests, args.seed)
     gen, cb = cb_configs(max_new_tokens=args.max_new_tokens, num_blocks=args.blocks)
@@ -445,8 +465,8 @@ def _soak(steps: int, say: Callable[..., None]) -> dict[str, Any]:
             "slots_verified": st["slots_verified"], **_coverage(st)}
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
+def _count(minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (and at most ``maximum``, for ``why``)."""
 
     def parse(text: str) -> int:
         try:
@@ -455,9 +475,30 @@ def _count(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if n < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {n}")
+        if maximum is not None and n > maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer in {minimum} .. {maximum}{why}, got {n}")
         return n
 
     return parse
+
+
+def _memory() -> int | None:
+    """This machine's memory in bytes (``None`` where it cannot be told)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _pool_fits(args: argparse.Namespace, slot_bytes: int, what: str) -> str | None:
+    """Why the demo's KV pool (``--blocks`` x block size slots of ``slot_bytes`` each, ``what`` says of
+    what) cannot be allocated here ("expected X, got Y"), or ``None``: said before anything is allocated."""
+    block = args.block_size if args.engine == "scripted" else 8  # the transformers demo's page size
+    need, have = args.blocks * block * slot_bytes, _memory()
+    if have is None or 2 * need <= have:
+        return None
+    return (f"--blocks: expected a KV pool within half of this machine's {have / 2**30:.1f} GiB, got {args.blocks} "
+            f"blocks x {block} slots x {slot_bytes} bytes ({what}) = {need / 2**30:.1f} GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -472,13 +513,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--engine", default="transformers", choices=["transformers", "scripted"],
                    help="transformers continuous batching (default) or the scripted paged engine")
     d.add_argument("--inject", action="store_true", help="also run with faults injected and show each detection")
-    d.add_argument("--requests", type=_count(1), default=32)
-    d.add_argument("--max-new-tokens", type=_count(1), default=16, help="(transformers)")
+    d.add_argument("--requests", type=_count(1, 100_000, " (a demo's run, not a benchmark)"), default=32)
+    d.add_argument("--max-new-tokens", type=_count(1, 960, " (the tiny model's 1024 positions, less the prompt)"),
+                   default=16, help="(transformers)")
     d.add_argument("--model", help="(transformers) a local model directory "
                    "(default: a tiny random Llama, nothing downloaded)")
-    d.add_argument("--blocks", type=_count(1), default=96, help="KV blocks in the pool")
-    d.add_argument("--block-size", type=_count(1), default=8, help="(scripted) slots per block")
-    d.add_argument("--layers", type=_count(1), default=4)
+    d.add_argument("--blocks", type=_count(1, 1 << 24, " (and a pool within half of this machine's memory)"),
+                   default=96, help="KV blocks in the pool")
+    d.add_argument("--block-size", type=_count(1, 1024, " (slots per block)"), default=8,
+                   help="(scripted) slots per block")
+    d.add_argument("--layers", type=_count(1, 256, " (a demo model's layers)"), default=4)
     d.add_argument("--layout", default="paged", choices=["flat", "paged", "packed", "head_major", "mla"],
                    help="(scripted) how the KV bytes are laid out")
     d.add_argument("--table", default="block", choices=["block", "token"], help="(scripted) block or token table")
@@ -496,17 +540,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the matrix as one JSON object")
     t.set_defaults(fn=_selftest)
     r = sub.add_parser("report", help="summarize a JSONL violation log (and write an HTML page)",
-                       description="Read a JSONL violation log (KVCANARY_VIOLATIONS_LOG) and print what broke, whom "
-                       "it hurt and when; --html writes a one-page report with pictures. Exit status 1 when the "
-                       "log holds violations, 2 when it cannot be read.", **kw)
-    r.add_argument("file", help="the violation log")
+                       description="Read a JSONL violation log (KVCANARY_VIOLATIONS_LOG; gzip-compressed too) and "
+                       "print what broke, whom it hurt and when (wall-clock times in UTC; step numbers count per "
+                       "process); --html writes a one-page report with pictures. Lines a crash left torn, or that "
+                       "are not violation events, are skipped, counted and named by number.",
+                       epilog=REPORT_EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("file", help="the violation log (.jsonl, or .jsonl.gz)")
     r.add_argument("--html", metavar="OUT", help="also write a one-page HTML report to OUT")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     r.set_defaults(fn=_report_cmd)
-    m = sub.add_parser("monitoring", help="where the Prometheus alerting rules and the Grafana dashboard are",
-                       description="Print the paths of the Prometheus alerting rules and the Grafana dashboard shipped "
-                       "with kvcanary (or copy them to a directory).", **kw)
-    m.add_argument("--copy", metavar="DIR", help="copy both files into DIR")
+    m = sub.add_parser("monitoring", help="where the Prometheus alerting rules, the Grafana dashboard and the "
+                       "runbook are", description="Print the paths of the Prometheus alerting rules, the Grafana "
+                       "dashboard and the runbook shipped with kvcanary, or copy them into a directory. A file there "
+                       "that was edited since kvcanary copied it is kept (and named) unless --force.", **kw)
+    m.add_argument("--copy", metavar="DIR", help="copy the three files into DIR")
+    m.add_argument("--force", action="store_true", help="with --copy: replace files edited in DIR too")
+    m.add_argument("--runbook-url", metavar="URL", help="with --copy: where you publish RUNBOOK.md, for the rules' "
+                   "runbook_url annotations (each alert's section anchor is appended)")
     m.set_defaults(fn=_monitoring)
     w = sub.add_parser("warmup", help="compile the fused CPU loops into their cache (once per machine)",
                        description="Compile (or load, when cached) every compiled CPU loop the canary and the "
@@ -537,6 +587,10 @@ def _warmup(args: argparse.Namespace) -> int:
     actual = sorted({d.stats.cache_path for d in loops.values()})  # numba's default where ours is not writable
     at = where if where and all(p.startswith(where + os.sep) for p in actual) else ", ".join(actual)
     made, loaded = fused.compiled(), fused.loaded()
+    damaged = cache.discarded()  # each also said in one warning line, as it was found
+    if damaged:
+        print(f"discarded the damaged cache of {len(damaged)} loop(s) ({', '.join(sorted(set(damaged)))}) and "
+              f"compiled them again")
     if made:
         print(f"cached in {at} ({took:.1f} s): {made} loops compiled" + (f", {loaded} loaded" if loaded else ""))
     else:
@@ -547,16 +601,27 @@ def _warmup(args: argparse.Namespace) -> int:
 def _monitoring(args: argparse.Namespace) -> int:
     from kvcanary import monitoring
 
+    if (args.force or args.runbook_url) and not args.copy:
+        print("kvcanary monitoring: --force and --runbook-url go with --copy DIR", file=sys.stderr)
+        return 2
     if args.copy:
         try:
-            paths = monitoring.copy(args.copy)
+            done = monitoring.copy(args.copy, force=args.force, runbook_url=args.runbook_url)
         except OSError as e:
             print(f"kvcanary monitoring: cannot copy into {args.copy!r}: {e}", file=sys.stderr)
             return 2
+        for p in done.written:
+            print(f"copied {p}")
+        for p in done.unchanged:
+            print(f"up to date: {p}")
+        for p in done.kept:
+            print(f"kept {p}: edited there since kvcanary copied it (--force replaces it with kvcanary's)")
+        paths = done.paths
     else:
-        paths = [monitoring.RULES, monitoring.DASHBOARD]
+        paths = list(monitoring.FILES)
     print(f"alerting rules (prometheus.yml: rule_files): {paths[0]}")
     print(f"Grafana dashboard (import as JSON; pick the Prometheus data source): {paths[1]}")
+    print(f"runbook (what each alert means and what to do; the rules' runbook_url): {paths[2]}")
     return 0
 
 

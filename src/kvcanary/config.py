@@ -21,6 +21,11 @@ MODES = ("off", "log", "raise", "quarantine", "repair")
 AUTO_BUDGET = {"cpu": 256 << 10, "cuda": 256 << 20}
 AUTO_PATROL = {"cpu": 64 << 10, "cuda": 64 << 20}
 CONTENTS = ("none", "all")
+RING_ROW_BYTES = 14 * 8  # a violation row: kvcanary.violations.NUM_FIELDS int64 fields
+MAX_RING_CAPACITY = 1 << 20  # 112 MiB of rows; a full ring takes seconds to decode on the host
+# an average of V rows is never further than 2 * max |V| from the reference (itself such an average):
+# the largest audit error (kvcanary.audit.error) any wrong weighting can show
+MAX_AUDIT_TOLERANCE = 2.0
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,8 @@ class CanaryConfig:
     content_budget_bytes : KV bytes re-fingerprinted per verify: ``"auto"`` (256 KiB on a CPU, 256 MiB on
         a GPU), a number, or ``None`` for every read slot; the window rotates across steps and what it
         leaves out is counted
-    ring_capacity : violation rows held on the device between two polls
+    ring_capacity : violation rows held on the device between two polls (at most 2**20: 112 MiB); rows
+        past it are counted as lost
     validate : check step values (ranges) on the host before each op (reads device tensors, so not
         under graph capture); ``None``: on for the CPU backends, off for Triton
     backend : ``auto`` (Triton on CUDA; on a CPU the fused path, or torch where numba is missing),
@@ -51,7 +57,8 @@ class CanaryConfig:
         re-verified at least once every ``ceil(pool bytes / budget)`` forwards
     history : decoded violations kept on the canary for inspection
     violations_log : a file that every drained violation event is appended to as one JSON line
-        (:mod:`kvcanary.eventlog`; the same format for every engine and process), or ``None``
+        (:mod:`kvcanary.eventlog`; the same format for every engine and process), or ``None``; its
+        directory must exist and be writable (checked here, not at the first violation)
     metrics : keep Prometheus metrics (:mod:`kvcanary.metrics`; needs prometheus-client)
     metrics_port : also serve them over HTTP on this port, one exporter per process (implies
         ``metrics``); ``None``: no exporter of kvcanary's own
@@ -65,8 +72,9 @@ class CanaryConfig:
     audit_every : the write check and the read audit run on every ``audit_every``-th forward (1: on
         every forward); the rotation carries on where it stopped
     audit_tolerance : the largest accepted error of an audited query, as a fraction of the largest
-        |V| it reads; ``None``: derived from the compute dtype and the query's logit size
-        (:data:`kvcanary.audit.reference.TOLERANCE`)
+        |V| it reads, below 2 (no wrong weighting of V rows errs by 2 or more, so 2 would switch the
+        audit off: ``audit_queries=0`` does that); ``None``: derived from the compute dtype and the
+        query's logit size (:data:`kvcanary.audit.reference.TOLERANCE`)
     """
 
     mode: Mode = "log"
@@ -103,11 +111,22 @@ class CanaryConfig:
                 raise ConfigError(f"{name}: expected an integer >= 1, got {_shown(v)}")
             if v < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {v}")
+        if self.ring_capacity > MAX_RING_CAPACITY:
+            raise ConfigError(
+                f"ring_capacity: expected an integer in 1 .. {MAX_RING_CAPACITY}, got {self.ring_capacity}: the ring "
+                f"is {RING_ROW_BYTES} bytes a row on the pool's device ({MAX_RING_CAPACITY} rows are "
+                f"{MAX_RING_CAPACITY * RING_ROW_BYTES >> 20} MiB), and a poll decodes every row it holds on the host "
+                f"(several seconds for a full ring of that size); rows past the capacity are counted as lost "
+                f"(violations_lost), not dropped unsaid")
         pb = self.patrol_budget_bytes
         if not ((isinstance(pb, str) and pb == "auto") or (_is_int(pb) and pb >= 0)):
             raise ConfigError(f"patrol_budget_bytes: expected an integer >= 0 or 'auto', got {_shown(pb)}")
         if self.violations_log is not None and not (isinstance(self.violations_log, str) and self.violations_log):
             raise ConfigError(f"violations_log: expected a file path or None, got {_shown(self.violations_log)}")
+        if self.violations_log is not None:
+            wrong = _unappendable(self.violations_log)
+            if wrong:  # found now, not at the first violation, when the record would be lost
+                raise ConfigError(f"violations_log: {wrong}")
         if not isinstance(self.metrics, bool):
             raise ConfigError(f"metrics: expected True or False, got {_shown(self.metrics)}")
         if self.metrics_port is not None and not (_is_int(self.metrics_port) and 0 < self.metrics_port < 65536):
@@ -122,7 +141,15 @@ class CanaryConfig:
             raise ConfigError(f"audit_every: expected an integer >= 1, got {_shown(self.audit_every)}")
         t = self.audit_tolerance
         if t is not None and not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e6):
-            raise ConfigError(f"audit_tolerance: expected a positive number or None, got {_shown(t)}")
+            raise ConfigError(f"audit_tolerance: expected a positive number below {MAX_AUDIT_TOLERANCE:g} or None, "
+                              f"got {_shown(t)}")
+        if t is not None and t >= MAX_AUDIT_TOLERANCE:
+            raise ConfigError(
+                f"audit_tolerance: expected a number in (0, {MAX_AUDIT_TOLERANCE:g}) or None, got {t!r}: an audited "
+                f"query's error is max |engine - reference| / max |V| it reads, and an attention output is an average "
+                f"of the V rows read, so however wrongly a kernel weighs them (mask, scale, page, head order) the "
+                f"error stays at or below {MAX_AUDIT_TOLERANCE:g}: a tolerance of {t!r} would switch the read audit "
+                f"off without saying so; to turn it off, set audit_queries=0 (KVCANARY_AUDIT_QUERIES=0)")
         if self.validate is not None and not isinstance(self.validate, bool):
             raise ConfigError(f"validate: expected True, False or None, got {_shown(self.validate)}")
 
@@ -165,6 +192,21 @@ def _is_int(v: object) -> bool:
 
 def _shown(v: object) -> str:
     return f"{type(v).__name__} {v!r}"
+
+
+def _unappendable(path: str) -> str | None:
+    """Why a violation log cannot be appended to at ``path`` ("expected X, got Y"), or ``None``."""
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"expected a file to append violation events to, got {path!r}, a directory"
+    if not os.path.isdir(where):
+        return f"expected a file in an existing directory, got {path!r}: directory {where!r} does not exist"
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            return f"expected a file this process can append to, got {path!r}, which is not writable"
+    elif not os.access(where, os.W_OK | os.X_OK):
+        return f"expected a file in a writable directory, got {path!r}: directory {where!r} is not writable"
+    return None
 
 
 def _auto_int(s: str, expected: str) -> int | str:
@@ -219,6 +261,7 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_VALIDATE": ("validate", _bool),
     "KVCANARY_SCRUB_SLOTS": ("scrub_slots", _int),
     "KVCANARY_PATROL_BUDGET_BYTES": ("patrol_budget_bytes", _patrol),
+    "KVCANARY_HISTORY": ("history", _int),
     "KVCANARY_BACKEND": ("backend", str),
     "KVCANARY_VIOLATIONS_LOG": ("violations_log", str),
     "KVCANARY_METRICS": ("metrics", _bool),
@@ -253,4 +296,4 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
         logging.getLogger("kvcanary").warning("kvcanary: %s is not a kvcanary variable and is ignored; %s", var, hint)
 
 
-assert {f for f, _ in ENV.values()} <= {f.name for f in fields(CanaryConfig)}
+assert {f for f, _ in ENV.values()} == {f.name for f in fields(CanaryConfig)}  # every field has its variable

@@ -1,12 +1,18 @@
 """``kvcanary report``: a JSONL violation log (:mod:`kvcanary.eventlog`) read back as a summary a
-person can act on, and as a one-page HTML report with pictures of the violations over steps and
+person can act on, and as a one-page HTML report with pictures of the violations over time and
 over the slot space.
 
 The summary says, per kind of failure (the diagnosed bug class, the failed checks and the site),
-how many events and slots,
-which requests were hurt, the first and last step; then the requests to retry, the slots and
-layer groups hit most, and the processes and ranks that reported. ``rich`` renders the tables when
-it is installed; plain text otherwise.
+how many events and slots, which requests were hurt, when (wall-clock, UTC) and at which steps of
+which process (steps count the forwards of one process: they start again in every process); then
+the requests to retry with the first and last time each was hurt, the slots and layer groups hit
+most, and the processes that reported. A log a crash left damaged is read as far as it goes: lines
+that are not violation events are skipped, counted and named by number. Logs compressed with gzip
+are read as they are. ``rich`` renders the tables when it is installed; plain text otherwise.
+
+Exit status of :func:`main` (``kvcanary report``): 0 no violations; 1 violations; 2 not a violation
+log (no line of it is one), or a file or page that cannot be read or written; 4 is added when lines
+were skipped (4: skipped lines and no violations in the rest; 5: skipped lines and violations).
 """
 
 from __future__ import annotations
@@ -16,25 +22,76 @@ import html
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from kvcanary.errors import EventLogError
-from kvcanary.eventlog import read
+from kvcanary.eventlog import read, scan
+
+__all__ = ["read", "scan", "summarize", "headline", "html_page", "as_dict", "main", "Summary", "Kind"]
+
+SKIPPED = 4  # the exit status bit for lines skipped
+SHOWN = {"requests": 20, "slots": 10, "skipped": 10}  # rows of the tables that could run long
+
+
+def when(t: float | None) -> str:
+    """A wall-clock time as ``2026-01-02 10:11:12.345`` (UTC); ``-`` for none."""
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) + f".{int(round(t % 1 * 1000)) % 1000:03d}"
+
+
+def lasting(seconds: float) -> str:
+    """A duration in words: ``12.3 s``, ``4 min 2 s``, ``3 h 5 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
 
 
 @dataclass
-class Kind:
+class Span:
+    """The first and last step (per process) and wall-clock time of some events."""
+
+    first_time: float | None = None
+    last_time: float | None = None
+    steps: dict[str, list[int]] = field(default_factory=dict)  # process -> [first step, last step]
+
+    def add(self, source: str, step: int, t: float | None) -> None:
+        lo_hi = self.steps.setdefault(source, [step, step])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], step), max(lo_hi[1], step)
+        if t is not None:
+            self.first_time = t if self.first_time is None else min(self.first_time, t)
+            self.last_time = t if self.last_time is None else max(self.last_time, t)
+
+    @property
+    def first_step(self) -> int | None:
+        return min((a for a, _ in self.steps.values()), default=None)
+
+    @property
+    def last_step(self) -> int | None:
+        return max((b for _, b in self.steps.values()), default=None)
+
+    def step_text(self, several: bool) -> str:
+        """``12 .. 40``; with ``several`` processes in the log, each process's range named."""
+        if not several:
+            return f"{self.first_step} .. {self.last_step}"
+        parts = [f"{a} .. {b} ({src})" for src, (a, b) in list(self.steps.items())[:3]]
+        more = len(self.steps) - 3
+        return "; ".join(parts) + (f"; +{more} more process(es)" if more > 0 else "")
+
+
+@dataclass
+class Kind(Span):
     """One kind of failure: the failed checks of events at one site."""
 
-    site: str
-    checks: tuple[str, ...]
+    site: str = ""
+    checks: tuple[str, ...] = ()
     diagnosis: str = ""  # the most likely bug class (kvcanary.diagnosis), where the reporter diagnosed it
     events: int = 0
     slots: set[int] = field(default_factory=set)
     requests: set[str] = field(default_factory=set)
-    first_step: int | None = None
-    last_step: int | None = None
     first_summary: str = ""
 
     @property
@@ -44,8 +101,15 @@ class Kind:
 
 
 @dataclass
+class Hurt(Span):
+    """One request that read corrupted KV: its events, when, and which processes reported it."""
+
+    events: int = 0
+
+
+@dataclass
 class Summary:
-    """What a violation log holds, aggregated."""
+    """What a violation log holds, aggregated, and what of it could not be read."""
 
     events: int
     records: int
@@ -53,71 +117,135 @@ class Summary:
     requests: collections.Counter[str]
     slots: collections.Counter[int]
     groups: collections.Counter[str]
-    sources: collections.Counter[str]  # engine, rank and pid of the reporting process
+    sources: collections.Counter[str]  # engine, rank, pid and host of the reporting process
     first_time: float | None
     last_time: float | None
-    points: list[tuple[int, int, str]]  # (step, slot, kind name) of every per-slot record
+    points: list[tuple[int, int, str, float | None]]  # (step, slot, kind name, time) of every per-slot record
+    hurt: dict[str, Hurt] = field(default_factory=dict)  # by request id
+    processes: dict[str, Span] = field(default_factory=dict)  # by reporting process
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (line, what it holds) of lines not read
+    lines: int = 0  # non-blank lines in the log
+    cut: str | None = None  # a compressed log that ends early: why
+
+    @property
+    def several(self) -> bool:
+        """Whether several processes reported (their step numbers are not comparable)."""
+        return len(self.processes) > 1
 
 
-def summarize(events: Iterable[dict[str, Any]]) -> Summary:
-    """Aggregate events as :func:`kvcanary.eventlog.read` returns them."""
+def source_of(ev: dict[str, Any]) -> str:
+    """The reporting process of an event: ``transformers rank 0 pid 4242 on node-7``."""
+    where = f" on {ev['host']}" if ev.get("host") else ""
+    return f"{ev.get('engine', '?')} rank {ev.get('rank', 0)} pid {ev.get('pid', '?')}{where}"
+
+
+def summarize(events: Iterable[dict[str, Any]], skipped: Iterable[tuple[int, str]] = (), lines: int | None = None,
+              cut: str | None = None) -> Summary:
+    """Aggregate events as :func:`kvcanary.eventlog.read` (or :func:`~kvcanary.eventlog.scan`)
+    returns them; ``skipped``, ``lines`` and ``cut``: what a scan could not read."""
     kinds: dict[tuple[str, tuple[str, ...], str], Kind] = {}
     requests: collections.Counter[str] = collections.Counter()
     slots: collections.Counter[int] = collections.Counter()
     groups: collections.Counter[str] = collections.Counter()
     sources: collections.Counter[str] = collections.Counter()
-    points: list[tuple[int, int, str]] = []
+    hurt: dict[str, Hurt] = {}
+    processes: dict[str, Span] = {}
+    points: list[tuple[int, int, str, float | None]] = []
     times: list[float] = []
     n = records = 0
     for ev in events:
         n += 1
         diag = (ev.get("diagnosis") or {}).get("kind", "")
         key = (str(ev.get("site")), tuple(ev.get("checks") or ()), diag)
-        k = kinds.setdefault(key, Kind(*key))
+        k = kinds.setdefault(key, Kind(site=key[0], checks=key[1], diagnosis=key[2]))
         k.events += 1
         step = int(ev.get("step", -1))
-        k.first_step = step if k.first_step is None else min(k.first_step, step)
-        k.last_step = step if k.last_step is None else max(k.last_step, step)
+        t = float(ev["time"]) if ev.get("time") is not None else None
+        src = source_of(ev)
+        k.add(src, step, t)
+        processes.setdefault(src, Span()).add(src, step, t)
         k.first_summary = k.first_summary or str(ev.get("summary", ""))
         if ev.get("request"):
-            k.requests.add(str(ev["request"]))
-            requests[str(ev["request"])] += 1
+            rid = str(ev["request"])
+            k.requests.add(rid)
+            requests[rid] += 1
+            h = hurt.setdefault(rid, Hurt())
+            h.events += 1
+            h.add(src, step, t)
         groups[str(ev.get("group"))] += 1
-        sources[f"{ev.get('engine', '?')} rank {ev.get('rank', 0)} pid {ev.get('pid', '?')}"] += 1
-        if "time" in ev:
-            times.append(float(ev["time"]))
+        sources[src] += 1
+        if t is not None:
+            times.append(t)
         for v in ev.get("violations") or ():
             records += 1
-            s = int(v.get("slot", -1))
-            k.slots.add(s)
-            slots[s] += 1
-            points.append((int(v.get("step", step)), s, k.name))
+            sl = int(v.get("slot", -1))
+            k.slots.add(sl)
+            slots[sl] += 1
+            points.append((int(v.get("step", step)), sl, k.name, t))
     order = sorted(kinds.values(), key=lambda k: (-k.events, k.name))
+    bad = list(skipped)
     return Summary(n, records, order, requests, slots, groups, sources, min(times, default=None),
-                   max(times, default=None), points)
+                   max(times, default=None), points, hurt, processes, bad, n + len(bad) if lines is None else lines,
+                   cut)
 
 
-def _rows(s: Summary) -> dict[str, tuple[list[str], list[list[str]]]]:
-    """The summary's tables: title -> (header, rows)."""
-    kinds = [[k.name, str(k.events), str(len(k.slots)), str(len(k.requests)), f"{k.first_step} .. {k.last_step}",
-              k.first_summary[:240]] for k in s.kinds]
+def _more(total: int, shown: int, what: str) -> str:
+    return f"... and {total - shown} more {what} (--json lists every one)" if total > shown else ""
+
+
+def _rows(s: Summary) -> dict[str, tuple[list[str], list[list[str]], str]]:
+    """The summary's tables: title -> (header, rows, a note under the table: what was left out)."""
+    kinds = [[k.name, str(k.events), str(len(k.slots)), str(len(k.requests)), when(k.first_time), when(k.last_time),
+              k.step_text(s.several), k.first_summary[:240]] for k in s.kinds]
+    top = s.requests.most_common(SHOWN["requests"])
+    reqs = [[r, str(c), when(s.hurt[r].first_time), when(s.hurt[r].last_time),
+             "; ".join(f"{src} step {a}" + (f" .. {b}" if b != a else "") for src, (a, b) in s.hurt[r].steps.items())]
+            for r, c in top]
+    slot_rows = [[str(sl), str(c)] for sl, c in s.slots.most_common(SHOWN["slots"])]
+    procs = [[p, str(c), s.processes[p].step_text(False), when(s.processes[p].first_time),
+              when(s.processes[p].last_time)] for p, c in s.sources.most_common()]
+    bad = [[str(n), why] for n, why in s.skipped[: SHOWN["skipped"]]]
     return {
-        "Violations by kind": (["kind", "events", "slots", "requests", "steps", "first event"], kinds),
-        "Requests hurt (retry them)": (["request", "events"], [[r, str(c)] for r, c in s.requests.most_common(20)]),
-        "Slots hit most": (["slot", "records"], [[str(sl), str(c)] for sl, c in s.slots.most_common(10)]),
-        "Layer groups": (["group", "events"], [[g, str(c)] for g, c in s.groups.most_common()]),
-        "Reported by": (["process", "events"], [[p, str(c)] for p, c in s.sources.most_common()]),
+        "Violations by kind": (["kind", "events", "slots", "requests", "first seen (UTC)", "last seen (UTC)",
+                                "steps" + (" (per process)" if s.several else ""), "first event"], kinds, ""),
+        "Requests hurt (retry them)": (["request", "events", "first seen (UTC)", "last seen (UTC)",
+                                        "reported by, at steps"], reqs,
+                                       _more(len(s.requests), len(top), "request(s)")),
+        "Slots hit most": (["slot", "records"], slot_rows, _more(len(s.slots), len(slot_rows), "slot(s)")),
+        "Layer groups": (["group", "events"], [[g, str(c)] for g, c in s.groups.most_common()], ""),
+        "Reported by": (["process", "events", "steps", "first seen (UTC)", "last seen (UTC)"], procs,
+                        "step numbers count the forwards of one process and start again in each"
+                        if s.several else ""),
+        "Lines skipped (not violation events)": (["line", "what it holds"], bad,
+                                                  _more(len(s.skipped), len(bad), "line(s)") or (s.cut or "")),
     }
 
 
+def _lines_note(s: Summary, shown: int = 3) -> str:
+    """``2 line(s) skipped (lines 5, 9)``: the lines of the log that are not violation events."""
+    if not s.skipped and not s.cut:
+        return ""
+    nums = ", ".join(str(n) for n, _ in s.skipped[:shown]) + (", ..." if len(s.skipped) > shown else "")
+    out = f"{len(s.skipped)} of {s.lines} line(s) skipped, not violation events" + (f" (line {nums})" if nums else "")
+    return out + (f"; {s.cut}" if s.cut else "")
+
+
 def headline(s: Summary) -> str:
-    """One line for the incident: what, how much, whom."""
+    """One line for the incident: what, how much, whom, when."""
+    note = _lines_note(s)
     if not s.events:
-        return "no violations in the log"
+        return "no violations in the log" + (f" ({note})" if note else "")
     worst = s.kinds[0]
-    return (f"{s.events} violation event(s), {s.records} slot record(s), {len(s.kinds)} kind(s); most: {worst.name} "
-            f"({worst.events} events); {len(s.requests)} request(s) hurt; steps "
-            f"{min(k.first_step or 0 for k in s.kinds)} .. {max(k.last_step or 0 for k in s.kinds)}")
+    out = (f"{s.events} violation event(s), {s.records} slot record(s), {len(s.kinds)} kind(s); most: {worst.name} "
+           f"({worst.events} events); {len(s.requests)} request(s) hurt")
+    if s.first_time is not None and s.last_time is not None:
+        out += f"; {when(s.first_time)} .. {when(s.last_time)} UTC ({lasting(s.last_time - s.first_time)})"
+    if s.several:
+        out += f"; reported by {len(s.processes)} processes (steps count per process)"
+    else:
+        out += (f"; steps {min(k.first_step or 0 for k in s.kinds)} .. "
+                f"{max(k.last_step or 0 for k in s.kinds)}")
+    return out + (f"; {note}" if note else "")
 
 
 def print_summary(s: Summary, path: str) -> None:
@@ -128,23 +256,30 @@ def print_summary(s: Summary, path: str) -> None:
         from rich.text import Text
     except ImportError:  # plain text
         print(f"{path}: {headline(s)}")
-        for title, (head, rows) in _rows(s).items():
+        for title, (head, rows, note) in _rows(s).items():
+            if not rows and not note:
+                continue
             print(f"\n{title}\n  " + " | ".join(head))
             for r in rows:
                 print("  " + " | ".join(r))
+            if note:
+                print(f"  {note}")
         return
     con = Console(width=None if sys.stdout.isatty() else 160)  # a pipe or file: no wrapping at 80 columns
     con.print(Text(f"{path}: {headline(s)}", style="bold"))
-    for title, (head, rows) in _rows(s).items():
-        if not rows:
+    for title, (head, rows, note) in _rows(s).items():
+        if not rows and not note:
             continue
         con.print(Text(f"\n{title}", style="bold"))
-        t = Table()
-        for h in head:
-            t.add_column(h, overflow="fold")
-        for r in rows:
-            t.add_row(*(Text(c) for c in r))  # Text: a record's "[verify step 3]" is not markup
-        con.print(t)
+        if rows:
+            t = Table()
+            for h in head:
+                t.add_column(h, overflow="fold")
+            for r in rows:
+                t.add_row(*(Text(c) for c in r))  # Text: a record's "[verify step 3]" is not markup
+            con.print(t)
+        if note:
+            con.print(Text(note))
 
 
 # ---- the HTML page ---------------------------------------------------------------------------
@@ -152,21 +287,35 @@ def print_summary(s: Summary, path: str) -> None:
 _COLORS = ["#d62728", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
 
+def _axis(s: Summary) -> tuple[list[float], str, Any]:
+    """Where each slot record lies in time: wall-clock seconds where every record has a time (the
+    only order across processes), else its step; the axis's name and how to label a value."""
+    if s.points and all(p[3] is not None for p in s.points):
+        t0 = min(p[3] for p in s.points if p[3] is not None)
+        return [float(p[3]) - t0 for p in s.points if p[3] is not None], "time", lambda v: when(t0 + v)
+    return [float(p[0]) for p in s.points], "step", lambda v: f"step {int(v)}"
+
+
+def _bins(lo: float, hi: float, most: int, integral: bool) -> int:
+    return max(1, min(most, int(hi - lo) + 1)) if integral else (most if hi > lo else 1)
+
+
 def _timeline_svg(s: Summary, w: int = 900, h: int = 220) -> str:
-    """Slot records per step, stacked by kind."""
+    """Slot records over time (or steps, where the log has no times), stacked by kind."""
     if not s.points:
         return "<p>No violations.</p>"
     names = [k.name for k in s.kinds]
-    lo, hi = min(p[0] for p in s.points), max(p[0] for p in s.points)
-    nb = min(120, hi - lo + 1)
-    width = (hi - lo + 1) / nb
+    xs, axis, label = _axis(s)
+    lo, hi = min(xs), max(xs)
+    nb = _bins(lo, hi, 120, axis == "step")
+    width = (hi - lo + (1 if axis == "step" else 0)) / nb or 1.0
     counts = [[0] * len(names) for _ in range(nb)]
-    for step, _, kind in s.points:
-        counts[min(nb - 1, int((step - lo) / width))][names.index(kind)] += 1
+    for x, p in zip(xs, s.points):
+        counts[min(nb - 1, int((x - lo) / width))][names.index(p[2])] += 1
     top = max(sum(c) for c in counts) or 1
     bw = (w - 60) / nb
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" '
-           f'aria-label="violations over steps">']
+           f'aria-label="violations over {axis}">']
     for i, c in enumerate(counts):
         y = float(h - 30)
         for j, v in enumerate(c):
@@ -175,24 +324,26 @@ def _timeline_svg(s: Summary, w: int = 900, h: int = 220) -> str:
             bh = (h - 50) * v / top
             y -= bh
             out.append(f'<rect x="{50 + i * bw:.1f}" y="{y:.1f}" width="{max(bw - 1, 1):.1f}" height="{bh:.1f}" '
-                       f'fill="{_COLORS[j % len(_COLORS)]}"><title>steps {lo + int(i * width)}: {v} {names[j]}'
-                       f'</title></rect>')
-    out.append(f'<text x="50" y="{h - 10}" font-size="12">step {lo}</text>'
-               f'<text x="{w - 10}" y="{h - 10}" font-size="12" text-anchor="end">step {hi}</text>'
+                       f'fill="{_COLORS[j % len(_COLORS)]}"><title>{html.escape(label(lo + i * width))}: {v} '
+                       f'{html.escape(names[j])}</title></rect>')
+    out.append(f'<text x="50" y="{h - 10}" font-size="12">{html.escape(label(lo))}</text>'
+               f'<text x="{w - 10}" y="{h - 10}" font-size="12" text-anchor="end">{html.escape(label(hi))}</text>'
                f'<text x="5" y="20" font-size="12">{top} records</text></svg>')
     return "".join(out)
 
 
 def _heatmap_svg(s: Summary, w: int = 900, h: int = 300) -> str:
-    """Slot records over the slot space (x) and steps (y), darker where more."""
-    pts = [p for p in s.points if p[1] >= 0]
+    """Slot records over the slot space (x) and time or steps (y), darker where more."""
+    xs, axis, label = _axis(s)
+    pts = [(x, p[1]) for x, p in zip(xs, s.points) if p[1] >= 0]
     if not pts:
         return "<p>No slot records.</p>"
     s_lo, s_hi = min(p[1] for p in pts), max(p[1] for p in pts)
     t_lo, t_hi = min(p[0] for p in pts), max(p[0] for p in pts)
-    nx, ny = min(90, s_hi - s_lo + 1), min(30, t_hi - t_lo + 1)
+    nx, ny = min(90, s_hi - s_lo + 1), _bins(t_lo, t_hi, 30, axis == "step")
+    t_w = (t_hi - t_lo + (1 if axis == "step" else 0)) / ny or 1.0
     grid = collections.Counter((min(nx - 1, (p[1] - s_lo) * nx // (s_hi - s_lo + 1)),
-                                min(ny - 1, (p[0] - t_lo) * ny // (t_hi - t_lo + 1))) for p in pts)
+                                min(ny - 1, int((p[0] - t_lo) / t_w))) for p in pts)
     top = max(grid.values())
     cw, ch = (w - 60) / nx, (h - 40) / ny
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" '
@@ -201,11 +352,11 @@ def _heatmap_svg(s: Summary, w: int = 900, h: int = 300) -> str:
         a = 0.15 + 0.85 * v / top
         out.append(f'<rect x="{50 + x * cw:.1f}" y="{10 + y * ch:.1f}" width="{cw:.1f}" height="{ch:.1f}" '
                    f'fill="#d62728" fill-opacity="{a:.2f}"><title>slots ~{s_lo + x * (s_hi - s_lo + 1) // nx}, '
-                   f'steps ~{t_lo + y * (t_hi - t_lo + 1) // ny}: {v} records</title></rect>')
+                   f'{html.escape(label(t_lo + y * t_w))}: {v} records</title></rect>')
     out.append(f'<text x="50" y="{h - 10}" font-size="12">slot {s_lo}</text>'
                f'<text x="{w - 10}" y="{h - 10}" font-size="12" text-anchor="end">slot {s_hi}</text>'
-               f'<text x="5" y="20" font-size="12">step {t_lo}</text>'
-               f'<text x="5" y="{h - 30}" font-size="12">step {t_hi}</text></svg>')
+               f'<text x="5" y="20" font-size="12">{html.escape(label(t_lo))}</text>'
+               f'<text x="5" y="{h - 30}" font-size="12">{html.escape(label(t_hi))}</text></svg>')
     return "".join(out)
 
 
@@ -215,12 +366,14 @@ def html_page(s: Summary, path: str) -> str:
     legend = " ".join(f'<span style="color:{_COLORS[i % len(_COLORS)]}">&#9632;</span> {html.escape(n)}'
                       for i, n in enumerate(names))
     tables = []
-    for title, (head, rows) in _rows(s).items():
-        if not rows:
+    for title, (head, rows, note) in _rows(s).items():
+        if not rows and not note:
             continue
         th = "".join(f"<th>{html.escape(x)}</th>" for x in head)
         trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-        tables.append(f"<h2>{html.escape(title)}</h2><table><tr>{th}</tr>{trs}</table>")
+        table = f"<table><tr>{th}</tr>{trs}</table>" if rows else ""
+        tables.append(f"<h2>{html.escape(title)}</h2>{table}" + (f"<p>{html.escape(note)}</p>" if note else ""))
+    axis = _axis(s)[1] if s.points else "time"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kvcanary report: {html.escape(path)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1000px}} table{{border-collapse:collapse;margin-bottom:1em}}
@@ -228,36 +381,58 @@ td,th{{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left;vert
 h1{{font-size:20px}} h2{{font-size:16px;margin-top:1.5em}} .head{{font-size:15px}}</style></head>
 <body><h1>kvcanary report: {html.escape(path)}</h1>
 <p class="head">{html.escape(headline(s))}</p>
-<h2>Violations over steps</h2><p>{legend}</p>{_timeline_svg(s)}
+<h2>Violations over {"time (UTC)" if axis == "time" else "steps"}</h2><p>{legend}</p>{_timeline_svg(s)}
 <h2>Violations over the slot space</h2>{_heatmap_svg(s)}
 {''.join(tables)}
 </body></html>
 """
 
 
+def as_dict(s: Summary) -> dict[str, Any]:
+    """The summary as one JSON object (``kvcanary report --json``): every request and skipped line."""
+    def span(x: Span) -> dict[str, Any]:
+        return {"first_time": x.first_time, "last_time": x.last_time, "first_seen": when(x.first_time),
+                "last_seen": when(x.last_time), "first_step": x.first_step, "last_step": x.last_step,
+                "steps_by_process": {src: list(ab) for src, ab in x.steps.items()}}
+
+    return {"headline": headline(s), "events": s.events, "records": s.records,
+            "first_time": s.first_time, "last_time": s.last_time, "first_seen": when(s.first_time),
+            "last_seen": when(s.last_time), "times": "UTC",
+            "kinds": [{"kind": k.name, "events": k.events, "slots": len(k.slots), "requests": sorted(k.requests),
+                       **span(k)} for k in s.kinds],
+            "requests": dict(s.requests.most_common()),
+            "requests_hurt": [{"request": r, "events": c, **span(s.hurt[r])} for r, c in s.requests.most_common()],
+            "processes": [{"process": p, "events": c, **span(s.processes[p])} for p, c in s.sources.most_common()],
+            "lines": s.lines, "skipped_lines": len(s.skipped),
+            "skipped": [{"line": n, "reason": why} for n, why in s.skipped], "cut": s.cut}
+
+
 def main(path: str, html_out: str | None = None, as_json: bool = False) -> int:
-    """``kvcanary report``: 0 when the log has no violations, 1 when it has, 2 when it cannot be
-    read or the page cannot be written (said on stderr before anything is printed)."""
+    """``kvcanary report``; returns the exit status (:data:`kvcanary.cli.REPORT_EXIT_CODES`): 0 when the log has no
+    violations, 1 when it has, 2 when it is not a violation log, cannot be read, or the page cannot
+    be written (said on stderr before anything is printed); 4 added when lines were skipped."""
     unwritable = html_out and _unwritable(html_out)
     if unwritable:
         print(f"kvcanary report: --html {html_out}: {unwritable}", file=sys.stderr)
         return 2
     try:
-        evs = read(path)
-    except EventLogError as e:
-        print(f"kvcanary report: cannot read {path!r} as a JSONL violation log: line {e.line}: {e.reason}",
-              file=sys.stderr)
-        return 2
-    except (OSError, UnicodeDecodeError) as e:
+        got = scan(path)
+    except OSError as e:
         print(f"kvcanary report: cannot read {path!r} as a JSONL violation log: {e}", file=sys.stderr)
         return 2
-    s = summarize(evs)
+    if not got.events and (got.bad or got.cut):  # not one event: not a violation log at all
+        first = (f"line {got.bad[0][0]}: {got.bad[0][1]}" if got.bad else str(got.cut))
+        also = f" (none of its {got.lines} line(s) is a violation event)" if got.lines > 1 else ""
+        print(f"kvcanary report: cannot read {path!r} as a JSONL violation log: {first}{also}", file=sys.stderr)
+        return 2
+    s = summarize(got.events, got.bad, got.lines, got.cut)
+    if s.skipped or s.cut:  # on stderr too: a script reading --json sees it, and the status says it
+        named = "; ".join(f"line {n}: {why}" for n, why in s.skipped[:3])
+        more = f"; and {len(s.skipped) - 3} more" if len(s.skipped) > 3 else ""
+        print(f"kvcanary report: {path}: skipped {len(s.skipped)} of {s.lines} line(s) that are not violation "
+              f"events" + (f" ({named}{more})" if named else "") + (f"; {s.cut}" if s.cut else ""), file=sys.stderr)
     if as_json:
-        print(json.dumps({"headline": headline(s), "events": s.events, "records": s.records,
-                          "kinds": [{"kind": k.name, "events": k.events, "slots": len(k.slots),
-                                     "requests": sorted(k.requests), "first_step": k.first_step,
-                                     "last_step": k.last_step} for k in s.kinds],
-                          "requests": dict(s.requests.most_common())}))
+        print(json.dumps(as_dict(s)))
     else:
         print_summary(s, path)
     if html_out:
@@ -269,7 +444,7 @@ def main(path: str, html_out: str | None = None, as_json: bool = False) -> int:
             return 2
         if not as_json:
             print(f"wrote {html_out}")
-    return 1 if s.events else 0
+    return (1 if s.events else 0) + (SKIPPED if s.skipped or s.cut else 0)
 
 
 def _unwritable(out: str) -> str | None:

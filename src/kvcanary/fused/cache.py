@@ -11,6 +11,12 @@ numba picks a function's cache directory when its ``@njit(cache=True)`` decorato
 ``numba.config.CACHE_DIR``. :func:`njit` sets that value only while it decorates one of kvcanary's
 loops and restores it at once, so other libraries' numba code (vLLM's) keeps numba's own setting.
 Where the directory cannot be created or written, numba's default takes over, with one warning.
+
+A cache file that cannot be read back (emptied, cut short or overwritten by a crash, a full disk or
+a copy) costs one loop a compile, never the fast path: numba's loader raises on such a file
+(``EOFError: Ran out of input``, ``UnpicklingError: pickle data was truncated``) where it would
+otherwise compile, so each loop's cache is wrapped (:func:`njit`): a load that fails discards that
+loop's files, says so in one warning line, and numba compiles the loop again and caches it afresh.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ log = logging.getLogger("kvcanary")
 _lock = threading.Lock()
 _PRUNE_AFTER_S = 7 * 24 * 3600
 _usable: list[str | None] = []  # memo of usable_directory(): one check and one warning per process
+_discarded: list[str] = []  # loops whose damaged cache files were discarded in this process (discarded())
+_checked: list[type] = []  # the cache class of kvcanary's loops, made on first use (numba imported then)
 
 
 def numba_version() -> str:
@@ -97,15 +105,77 @@ def _numba_cache_dir(path: str | None) -> Iterator[None]:
 
 def njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """``numba.njit(**options)`` (a decorator giving a numba dispatcher); with ``cache=True`` the
-    compiled code is cached in :func:`usable_directory`, and numba's setting for every other
-    library is left as it was."""
+    compiled code is cached in :func:`usable_directory`, numba's setting for every other library is
+    left as it was, and a damaged cache file is discarded and the loop compiled again
+    (:func:`checked_cache`)."""
     import numba
 
     def deco(fn: Callable[..., Any]) -> Any:
         with _numba_cache_dir(loops_directory() if options.get("cache") else None):
-            return numba.njit(**options)(fn)
+            disp = numba.njit(**options)(fn)
+            if options.get("cache"):  # the cache's directory is fixed here, while CACHE_DIR is ours
+                disp._cache = checked_cache()(disp.py_func)
+            return disp
 
     return deco
+
+
+def discarded() -> list[str]:
+    """The loops (``module.function``) whose damaged cache files were discarded in this process."""
+    return list(_discarded)
+
+
+def checked_cache() -> type:
+    """numba's per-function disk cache (``FunctionCache``), with loading made safe: where a loop's
+    index (``.nbi``) or compiled code (``.nbc``) cannot be read back (cut short, emptied, not
+    numba's), that loop's files are removed, one warning line says which loop and why, and the load
+    reports a miss, so numba compiles the loop and caches it again. A save that fails on a damaged
+    index is tried once more after discarding it; one that fails again leaves the loop compiled in
+    memory only, with a warning."""
+    if _checked:
+        return _checked[0]
+    from numba.core.caching import FunctionCache
+
+    class CheckedCache(FunctionCache):  # type: ignore[misc]
+        def load_overload(self, sig: Any, target_context: Any) -> Any:
+            try:
+                return super().load_overload(sig, target_context)
+            except Exception as e:  # a file that does not read back: compile instead
+                self.discard(e)
+                return None
+
+        def save_overload(self, sig: Any, data: Any) -> None:
+            try:
+                super().save_overload(sig, data)
+                return
+            except Exception as e:  # the index it adds to may itself be damaged
+                self.discard(e)
+            try:
+                super().save_overload(sig, data)
+            except Exception as e:
+                log.warning("kvcanary: the compiled loop %s could not be cached in %s (%s: %s); it is compiled "
+                            "again in the next process", self.loop_name(), self.cache_path, type(e).__name__, e)
+
+        def loop_name(self) -> str:
+            return self._impl.filename_base.split("-", 1)[0]
+
+        def discard(self, e: BaseException) -> None:
+            """Remove this loop's index and data files (every signature's), and say so once."""
+            base = self._impl.filename_base
+            removed = 0
+            with contextlib.suppress(OSError):
+                for name in os.listdir(self.cache_path):
+                    if name == base + ".nbi" or (name.startswith(base + ".") and name.endswith(".nbc")):
+                        with contextlib.suppress(OSError):
+                            os.remove(os.path.join(self.cache_path, name))
+                            removed += 1
+            _discarded.append(self.loop_name())
+            log.warning("kvcanary: the compiled-loop cache of %s in %s is damaged (%s: %s); discarded its %d "
+                        "file(s), compiling it again", self.loop_name(), self.cache_path, type(e).__name__,
+                        e, removed)
+
+    _checked.append(CheckedCache)
+    return CheckedCache
 
 
 # modules outside the fused package whose values the loops inline as constants (the hashing
