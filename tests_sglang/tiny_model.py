@@ -1,5 +1,6 @@
-"""A tiny random-weight Llama and a word-level tokenizer, saved to a folder SGLang can load with
-nothing downloaded: ``python tiny_model.py DIR`` or ``make_tiny_llama(DIR)``."""
+"""A tiny random-weight Llama (or Gemma2, whose even layers attend through a sliding window) and a
+word-level tokenizer, saved to a folder SGLang can load with nothing downloaded:
+``python tiny_model.py DIR [llama|gemma2]``, ``make_tiny_llama(DIR)`` or ``make_tiny_model(DIR, "gemma2")``."""
 
 import sys
 
@@ -7,15 +8,26 @@ VOCAB = 1000
 
 
 def make_tiny_llama(path, seed=0):
+    return make_tiny_model(path, "llama", seed)
+
+
+def make_tiny_model(path, arch="llama", seed=0, sliding_window=8):
     import tokenizers
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                   bos_token_id=1, eos_token_id=2, torch_dtype="float32")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif arch == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, sliding_window=sliding_window, hidden_act="gelu_pytorch_tanh"))  # SGLang reads hidden_act
+    else:
+        raise ValueError(f"unknown arch {arch!r}: llama or gemma2")
+    model.save_pretrained(path)
     # words t0 .. t999, one token each; the decoder joins them with spaces
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
@@ -28,4 +40,4 @@ def make_tiny_llama(path, seed=0):
 
 
 if __name__ == "__main__":
-    print(make_tiny_llama(sys.argv[1]))
+    print(make_tiny_model(sys.argv[1], *sys.argv[2:3]))
