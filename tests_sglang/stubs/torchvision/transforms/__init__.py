@@ -1,0 +1,1 @@
+from torchvision.transforms.functional import InterpolationMode  # noqa: F401
