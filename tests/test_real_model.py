@@ -75,7 +75,7 @@ def test_the_cache_root_follows_kvcanarys_cache_directory():
 
 def test_conversion_writes_a_complete_checkpoint_per_dtype_and_says_each_stage(cache):
     models = Path(cache, "models")
-    assert sorted(p.name for p in models.iterdir()) == ["SmolLM2-135M-Instruct-bfloat16", "SmolLM2-135M-Instruct-float32"]
+    assert sorted(p.name for p in models.iterdir()) == [f"SmolLM2-135M-Instruct-{d}" for d in ("bfloat16", "float32")]
     for dtype in ("float32", "bfloat16"):
         d = models / f"SmolLM2-135M-Instruct-{dtype}"
         names = {p.name for p in d.iterdir()}
@@ -108,7 +108,8 @@ def test_conversion_writes_a_complete_checkpoint_per_dtype_and_says_each_stage(c
 def test_a_conversion_that_fails_midway_leaves_nothing_that_looks_complete(cache, tmp_path, monkeypatch):
     root = tmp_path / "root"
     (root / "models").mkdir(parents=True)
-    os.symlink(Path(cache, "models", "SmolLM2-135M-Instruct-float32"), root / "models" / "SmolLM2-135M-Instruct-float32")
+    f32 = "SmolLM2-135M-Instruct-float32"
+    os.symlink(Path(cache, "models", f32), root / "models" / f32)
     monkeypatch.setenv("KVCANARY_CACHE_DIR", str(root))
 
     def crash(line: str) -> None:

@@ -494,6 +494,10 @@ def _chat_faults(args: argparse.Namespace, config: CanaryConfig, model: Any, gen
     return found, repaired, log, ok
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
 def _short(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -516,10 +520,11 @@ def _chat_report(summary: dict[str, Any]) -> None:
             if k not in ("answers", "injected", "report", "repair_run", "system_prompt", "engine")])
     for f in summary.get("injected", []):
         print(f"\n  fault {f['fault']} at forward {f['injected_at_forward']}: {f['detail']}")
-        print(f"    detected: {f['first_detection'] or 'NO'}" + (f" ({f['detections']} records)" if f["detections"] else ""))
+        records = f" ({f['detections']} records)" if f["detections"] else ""
+        print(f"    detected: {f['first_detection'] or 'NO'}{records}")
         r = f["repair"]
-        print(f"    log mode: {f['harmful_tokens_served']} tokens sampled from corrupted KV were served; repair mode: "
-              f"{r['repairs']} repairs, {r['requests_failed']} requests failed")
+        print(f"    log mode: {_n(f['harmful_tokens_served'], 'token')} sampled from corrupted KV served; repair mode: "
+              f"{_n(r['repairs'], 'repair')}, {_n(r['requests_failed'], 'request')} failed")
         for row in f["requests"]:
             mark = ("   (= clean)" if row["repair_equals_clean"] else "   (failed: no wrong text served)"
                     if row["repair_failed"] else "   <-- NOT the clean answer")
@@ -533,8 +538,8 @@ def _chat_report(summary: dict[str, Any]) -> None:
             print(f"    repair served another answer to: {q}   <-- NOT the clean answer")
     rr = summary.get("repair_run")
     if rr:
-        print(f"\n  repair mode, all faults: {rr['repairs']} repairs, {rr['requests_failed']} requests failed; every "
-              f"answer served was the clean one: {'yes' if rr['served_only_clean_answers'] else 'NO'}")
+        print(f"\n  repair mode, all faults: {_n(rr['repairs'], 'repair')}, {_n(rr['requests_failed'], 'request')} "
+              f"failed; every answer served was the clean one: {'yes' if rr['served_only_clean_answers'] else 'NO'}")
     rep = summary.get("report")
     if isinstance(rep, dict):
         print(f"\n  violation log of the injected run: {rep['headline']}\n  report: {rep['command']} "
