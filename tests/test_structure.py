@@ -28,7 +28,7 @@ LAYERS = [
                 "kvcanary.fused", "kvcanary.fused.*", "kvcanary.ops"]),
     ("canary", ["kvcanary.canary", "kvcanary.patrol", "kvcanary.guards", "kvcanary.step_check",
                 "kvcanary.reporting", "kvcanary.writers"]),
-    ("engines", ["kvcanary.engines", "kvcanary.engines.*", "kvcanary.sim", "kvcanary.sim.*"]),
+    ("engines", ["kvcanary.engines", "kvcanary.engines.*", "kvcanary.sim", "kvcanary.sim.*", "kvcanary.real_model"]),
     ("faults", ["kvcanary.faults", "kvcanary.faults.*"]),
     ("cli", ["kvcanary.report", "kvcanary.cli", "kvcanary.__main__", "kvcanary"]),
 ]

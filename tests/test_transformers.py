@@ -220,7 +220,7 @@ def test_token_book_streams_and_recycles_rows():
 def test_demo_main_job_reports_a_clean_run_and_every_injected_detection(capsys):
     from kvcanary.cli import main
 
-    assert main(["demo", "--layers", "2", "--inject", "--json"]) == 0
+    assert main(["demo", "--model", "tiny", "--layers", "2", "--inject", "--json"]) == 0
     out = __import__("json").loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["violations"] == 0 and out["outputs_identical"] is True and out["slots_verified"] > 0
     assert out["write_slots_checked"] > 0 and out["attention_queries_audited"] > 0  # the audit ran, clean

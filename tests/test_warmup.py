@@ -34,7 +34,7 @@ assert fused.available() is None
 took = time.perf_counter() - t0
 loaded, compiled = fused.loaded(), fused.compiled()
 from kvcanary.cli import main
-assert main(["demo", "--requests", "4", "--max-new-tokens", "4", "--json"]) == 0
+assert main(["demo", "--model", "tiny", "--requests", "4", "--max-new-tokens", "4", "--json"]) == 0
 paths = sorted({d.stats.cache_path for d in fused.loops().values()})
 print(json.dumps({"took": took, "loaded": loaded, "compiled": compiled, "after_demo": fused.compiled(),
                   "loops": len(fused.loops()), "signatures": sum(len(d.signatures) for d in fused.loops().values()),

@@ -1,0 +1,85 @@
+"""``kvcanary demo`` on the trained model (the default): the questions and answers in its JSON, the
+same without and with the canary; ``--inject``: each fault detected, the requests it hurt with their
+clean, served (log mode) and repaired answers, repair serving only clean answers; ``--model PATH`` and
+the one-line errors for a missing path and a missing extra."""
+
+import json
+import os
+import sys
+
+import pytest
+from test_real_model import converted_cache
+
+from kvcanary.cli import QUESTIONS, main
+
+
+@pytest.fixture
+def cache(monkeypatch):
+    root = converted_cache()
+    monkeypatch.setenv("KVCANARY_CACHE_DIR", root)
+    return root
+
+
+def _json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_the_demo_answers_each_question_the_same_without_and_with_the_canary_and_heals_injected_faults(cache, capsys):
+    assert main(["demo", "--inject", "--json", "--max-new-tokens", "16"]) == 0
+    out = _json(capsys)
+    assert out["model"] == "SmolLM2-135M-Instruct" and out["dtype"] == "bfloat16" and out["model_converted"] is False
+    answers = out["answers"]
+    assert [a["question"] for a in answers] == list(QUESTIONS)
+    assert all(a["identical"] and a["without_canary"] == a["with_canary"] for a in answers)
+    assert answers[0]["with_canary"] == "The capital of France is Paris."
+    assert out["outputs_identical"] is True and out["violations"] == 0 and out["internal_errors"] == 0
+    assert 0 < out["canary_share_pct"] < 100 and out["canary_ms_per_forward"] > 0 and out["slots_verified"] > 0
+    clean = {a["question"]: a["without_canary"] for a in answers}
+    faults = out["injected"]
+    assert [f["fault"] for f in faults] == ["flip_shared_byte", "redirect_table_entry", "free_shared_block"]
+    for f in faults:
+        assert f["detected"] and "request" in f["first_detection"] and f["requests"], f
+        assert f["repair_injected_same"] and not f["changed_undetected"], f
+        assert f["repair"]["violations"] > 0 and f["repair"]["internal_errors"] == 0, f
+        assert not f["repair"]["served_other_text"], f
+        for r in f["requests"]:
+            assert r["clean"] == clean[r["question"]], r
+            assert r["repair_equals_clean"] or r["repair_failed"], r  # repair serves the clean answer or an error
+    # recomputing heals a flipped byte and a redirected table entry: every reader gets the clean answer
+    for f in faults[:2]:
+        assert f["repair"]["repairs"] >= 1 and f["repair"]["requests_failed"] == 0, f
+        assert all(r["repair"] == r["clean"] for r in f["requests"]), f
+    assert out["repair_run"]["served_only_clean_answers"] is True
+    assert os.path.exists(out["report"]["html"])
+
+
+def test_a_local_checkpoint_directory_runs_the_same_demo(cache, capsys):
+    path = os.path.join(cache, "models", "SmolLM2-135M-Instruct-float32")
+    assert main(["demo", "--model", path, "--dtype", "float32", "--requests", "2", "--max-new-tokens", "10",
+                 "--json"]) == 0
+    out = _json(capsys)
+    assert out["model"] == "SmolLM2-135M-Instruct-float32" and out["dtype"] == "float32"
+    assert [a["with_canary"] for a in out["answers"]][0] == "The capital of France is Paris."
+    assert out["outputs_identical"] is True and out["violations"] == 0
+
+
+def test_a_missing_model_path_is_a_one_line_error(tmp_path, capsys):
+    assert main(["demo", "--model", "/nonexistent/checkpoint"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.strip() == (
+        "kvcanary demo: --model: '/nonexistent/checkpoint' is not a directory (expected `tiny` or a local "
+        "checkpoint directory with a tokenizer and chat template)")
+    assert main(["demo", "--model", str(tmp_path)]) == 2  # a directory that holds no checkpoint
+    said = capsys.readouterr()
+    assert said.out == "" and len(said.err.strip().splitlines()) == 1
+    assert said.err.startswith(f"kvcanary demo: --model: {str(tmp_path)!r} does not load as a checkpoint: ")
+
+
+def test_without_the_extra_the_demo_says_what_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVCANARY_CACHE_DIR", str(tmp_path))  # nothing converted here
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    assert main(["demo", "--json"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and len(said.err.strip().splitlines()) == 1
+    assert said.err.startswith("kvcanary demo: the real model (SmolLM2-135M-Instruct) needs gguf, not installed: "
+                               "pip install 'kvcanary[real]'"), said.err
