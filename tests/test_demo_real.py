@@ -10,7 +10,8 @@ import sys
 import pytest
 from test_real_model import converted_cache
 
-from kvcanary.cli import QUESTIONS, main
+from kvcanary.cli import main
+from kvcanary.demo.chat import QUESTIONS
 
 
 @pytest.fixture

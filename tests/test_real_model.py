@@ -31,9 +31,9 @@ def converted_cache() -> str:
     if not _ROOT:
         # the canary's compiled loops are found through KVCANARY_CACHE_DIR too: load them from the usual
         # cache first (once per process), so that pointing it at a fresh root below compiles nothing
-        from kvcanary.cli import _setup_time
+        from kvcanary.demo.common import setup_time
 
-        _setup_time(CanaryConfig(mode="log"))
+        setup_time(CanaryConfig(mode="log"))
         root = tempfile.mkdtemp(prefix="kvcanary-real-")
         atexit.register(shutil.rmtree, root, True)
         env = {"KVCANARY_CACHE_DIR": root}

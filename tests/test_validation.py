@@ -538,8 +538,9 @@ def test_demo_sizes_past_what_a_demo_can_allocate_are_usage_errors(argv, expecte
 
 def test_a_demo_pool_larger_than_the_machine_is_refused_before_allocating(capsys, monkeypatch):
     from kvcanary import cli
+    from kvcanary.demo import common
 
-    monkeypatch.setattr(cli, "_memory", lambda: 8 << 30)
+    monkeypatch.setattr(common, "memory", lambda: 8 << 30)
     assert cli.main(["demo", "--engine", "scripted", "--blocks", str(1 << 24), "--layers", "8"]) == 2
     assert capsys.readouterr().err.strip() == (
         "kvcanary demo: --blocks: expected a KV pool within half of this machine's 8.0 GiB, got 16777216 blocks x 8 "
