@@ -33,12 +33,15 @@ from kvcanary import fused
 assert fused.available() is None
 took = time.perf_counter() - t0
 loaded, compiled = fused.loaded(), fused.compiled()
+import os
+files = lambda: {os.path.join(d, f) for d, _, fs in os.walk(os.environ["KVCANARY_CACHE_DIR"]) for f in fs}
+before = files()
 from kvcanary.cli import main
 assert main(["demo", "--model", "tiny", "--requests", "4", "--max-new-tokens", "4", "--json"]) == 0
 paths = sorted({d.stats.cache_path for d in fused.loops().values()})
 print(json.dumps({"took": took, "loaded": loaded, "compiled": compiled, "after_demo": fused.compiled(),
                   "loops": len(fused.loops()), "signatures": sum(len(d.signatures) for d in fused.loops().values()),
-                  "paths": paths, "numba_cache_dir": numba.config.CACHE_DIR}))
+                  "paths": paths, "numba_cache_dir": numba.config.CACHE_DIR, "added": sorted(files() - before)}))
 """
 
 
@@ -61,9 +64,17 @@ def test_warmup_compiles_into_the_cache_dir_and_a_later_process_only_loads(warme
     # every loop from the cache (a loop the adapters call with two argument types has two signatures)
     assert got["compiled"] == 0 and got["loaded"] == got["signatures"] >= got["loops"] > 0
     assert got["after_demo"] == 0, "the demo's engine compiled a signature the warm-up did not"
+    assert got["added"] == [], got["added"]  # the demo added no file to the cache (its audit loop included)
+    assert "kvcanary.fused.audit.check_forward" in fused_loop_names()
     assert all(p.startswith(where + os.sep) for p in got["paths"])
     assert got["numba_cache_dir"] == os.environ.get("NUMBA_CACHE_DIR", "")  # numba's own setting as it was
     assert got["took"] < 5, got  # a generous bound: loading takes about a second (warmup prints it)
+
+
+def fused_loop_names():
+    from kvcanary import fused
+
+    return set(fused.loops())
 
 
 def test_an_unwritable_cache_dir_falls_back_with_one_warning(tmp_path):

@@ -87,6 +87,8 @@ class Canary:
     device : the pool's device (default: the layout's, else CPU)
     on_violation : callbacks called with each batch of drained violations (quarantine hooks); in
         ``log`` and ``quarantine`` mode a callback that raises is counted as an internal error
+    healer : the engine adapter that fails or recomputes the requests a violation hurt (set by the
+        adapters; ``quarantine`` and ``repair`` modes need one)
     """
 
     def __init__(
@@ -96,13 +98,13 @@ class Canary:
         config: CanaryConfig | None = None,
         device: torch.device | str | None = None,
         on_violation: Iterable[Callable[[list[Violation]], None]] = (),
+        *,
+        healer: str | None = None,
     ) -> None:
-        if config is not None and not isinstance(config, CanaryConfig):
-            raise ConfigError(f"config: expected a CanaryConfig, got {type(config).__name__} {config!r}")
-        self.config = config or CanaryConfig()
+        self.config = _checked_config(config, healer)
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 < num_slots < MAX_SLOTS:
             raise ConfigError(f"num_slots: expected an integer in 1 .. {MAX_SLOTS - 1}, got {num_slots!r}")
-        layout = _checked_layout(layout)
+        layout = _checked_layout(layout, self.config.content)
         self.device = _pool_device(device, layout)
         layout.check_covers(num_slots)
         _check_stamp_memory(num_slots, self.device)
@@ -469,7 +471,20 @@ def _content_slots(budget: int | None, per_slot: int) -> int | None:
     return None if budget is None or not per_slot else budget // per_slot
 
 
-def _checked_layout(layout: KvLayout | None) -> KvLayout:
+def _checked_config(config: CanaryConfig | None, healer: str | None) -> CanaryConfig:
+    if config is not None and not isinstance(config, CanaryConfig):
+        raise ConfigError(f"config: expected a CanaryConfig, got {type(config).__name__} {config!r}")
+    config = config or CanaryConfig()
+    if config.mode in ("quarantine", "repair") and healer is None:
+        raise ConfigError(
+            f"mode: expected 'off', 'log' or 'raise' for a Canary without an engine adapter, got {config.mode!r}: "
+            f"healing fails or recomputes requests, which only an engine adapter can (kvcanary.protect(model) for "
+            f"transformers continuous batching, the KvCanaryConnector for vLLM); a bare Canary reports, and "
+            f"on_violation callbacks can act on what it finds")
+    return config
+
+
+def _checked_layout(layout: KvLayout | None, content: str) -> KvLayout:
     if layout is not None and not isinstance(layout, KvLayout):
         raise ConfigError(f"layout: expected a KvLayout or None, got {type(layout).__name__}")
     layout = layout or KvLayout()
@@ -477,7 +492,15 @@ def _checked_layout(layout: KvLayout | None) -> KvLayout:
         which = ", ".join(f"{k}={getattr(layout, k)}" for k in ("reserved", "guards") if getattr(layout, k))
         raise LayoutError(f"layout: expected sources whose bytes the guard slots are checked in, got {which} on "
                           "a layout without sources (metadata only: drop the guard slots, or add the sources)")
+    if content == "none" and (layout.reserved or layout.guards) and not _said_unguarded:
+        _said_unguarded.append(True)  # once per process: every adapter's pool has its null block
+        log.warning("kvcanary: content='none' (KVCANARY_CONTENT=none): the layout's guard slots (%s) are not checked, "
+                    "since no bytes are fingerprinted; content='all' checks them on every forward",
+                    ", ".join(f"{k}: {len(getattr(layout, k))}" for k in ("reserved", "guards") if getattr(layout, k)))
     return layout
+
+
+_said_unguarded: list[bool] = []
 
 
 def _pool_device(device: torch.device | str | None, layout: KvLayout) -> torch.device:

@@ -186,6 +186,37 @@ class CanaryConfig:
         return config
 
 
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any], base: "CanaryConfig | None" = None, where: str = "config",
+                     also: tuple[str, ...] = ()) -> "CanaryConfig":
+        """``base`` (default: defaults) with each ``{field name: value}`` of ``mapping`` applied.
+
+        A value may be the field's own type or a string, read as its ``KVCANARY_*`` variable is
+        (``"auto"``, ``"none"``, ``"1"``, ...). A key that is no field raises :class:`ConfigError`
+        naming it, ``where`` it was found and the closest field name; ``also`` lists keys the caller
+        reads itself (skipped here). A bad value raises naming the key and what is expected.
+        """
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"{where}: expected a mapping of CanaryConfig field names to values, "
+                              f"got {_shown(mapping)}")
+        config = base or cls()
+        parsers = {fname: parse for fname, parse in ENV.values()}
+        for key, value in mapping.items():
+            if key in also:
+                continue
+            if key not in parsers:
+                known = [*parsers, *also]
+                near = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean {near[0]!r}?" if near else f"expected one of {', '.join(known)}"
+                raise ConfigError(f"{where}: unknown key {key!r} (not a CanaryConfig field); {hint}")
+            try:
+                change: dict[str, Any] = {key: parsers[key](value) if isinstance(value, str) else value}
+                config = replace(config, **change)
+            except ValueError as e:  # a parser's, or the field check's (ConfigError)
+                raise ConfigError(f"{where}: {key}: {str(e).removeprefix(key + ': ')}") from None
+        return config
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python, not a count
 

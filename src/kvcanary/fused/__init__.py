@@ -33,9 +33,9 @@ def loops() -> dict[str, Any]:
     :func:`available` compiles or loads. Imports the compiled modules."""
     from numba.core.dispatcher import Dispatcher
 
-    from kvcanary.fused import _core, _step, block_steps, forward, index_steps, ops, steps
+    from kvcanary.fused import _core, _step, audit, block_steps, forward, index_steps, ops, steps
 
-    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, index_steps, block_steps)
+    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, index_steps, block_steps, audit)
             for k, v in vars(m).items()
             if isinstance(v, Dispatcher) and v.targetoptions.get("inline") != "always"
             and v.py_func.__module__ == m.__name__}
@@ -107,3 +107,21 @@ def _warm_up() -> None:
             forward.C_BPS]] = (stamps.data_ptr(), 8, counters.data_ptr(), cursor.data_ptr(), ring.data_ptr(), 4,
                                table.bytes_per_slot)
     forward.warm_up(describe(step), record, (table.src, table.runs, table.keys), np.full((9, 2), -1, dtype=np.int64))
+    _warm_audit(describe(step))
+
+
+def _warm_audit(desc: Any) -> None:
+    """The write check and read audit's loop (:func:`kvcanary.fused.audit.check_forward`) with the
+    tables both engine adapters pass (:meth:`kvcanary.engines.audit.EngineAudit.run_compiled`), empty:
+    their types, not their sizes or the cache's dtype, make its one signature."""
+    import numpy as np
+
+    from kvcanary.audit.tables import LAYER_COLUMNS, QUERY_COLUMNS, STRIDE_COLUMNS
+    from kvcanary.fused.audit import check_forward
+
+    layers = np.zeros((0, LAYER_COLUMNS), dtype=np.int64)
+    half = np.zeros((0, 0), dtype=np.int64)
+    for gathered in (False, True):
+        check_forward(layers, np.zeros((0, 4), dtype=np.int64), np.zeros(STRIDE_COLUMNS, dtype=np.int64), desc[None],
+                      np.zeros(0, dtype=np.int64), np.zeros((0, QUERY_COLUMNS), dtype=np.int64), np.zeros(4),
+                      half, np.zeros_like(half), np.full(0, -1.0), np.zeros(0, dtype=np.int64), np.zeros(0), gathered)

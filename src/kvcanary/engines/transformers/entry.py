@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -49,7 +49,9 @@ class Protection(SchedulerSide, TransferSide, Adapter):
     Parameters
     ----------
     model : a transformers model that runs continuous batching (has ``generate_batch``)
-    config : canary configuration (default ``CanaryConfig(mode="log")``). ``raise``: the first
+    config : a :class:`CanaryConfig`, used as it is; ``None`` (default): ``log`` mode with every set
+        ``KVCANARY_*`` variable applied; or a mapping of field names to values (``{"mode": "repair"}``),
+        those fields over the ``None`` case's. ``raise``: the first
         violation stops the engine and ``generate_batch`` raises :class:`KvCorruptionError` in the
         caller's thread; ``quarantine``: the requests that read corrupted KV fail with that error,
         their poisoned blocks leave the prefix cache, and every other request finishes normally;
@@ -61,18 +63,16 @@ class Protection(SchedulerSide, TransferSide, Adapter):
 
     engine = "transformers"
 
-    def __init__(self, model: Any, config: CanaryConfig | None = None, check_tokens: bool = True,
+    def __init__(self, model: Any, config: CanaryConfig | Mapping[str, Any] | None = None, check_tokens: bool = True,
                  on_violation: Callable[[list[Violation]], None] | None = None) -> None:
         import transformers
 
         check_version(transformers.__version__)
-        if config is not None and not isinstance(config, CanaryConfig):
-            raise ConfigError(f"config: expected a CanaryConfig (e.g. CanaryConfig(mode={config!r})), "
-                              f"got {type(config).__name__} {config!r}")
+        config = _config_of(config)
         if not callable(getattr(model, "generate_batch", None)) or not hasattr(model, "config"):
             raise UnsupportedError(f"model: expected a transformers model that runs continuous batching "
                                    f"(a causal LM with generate_batch), got {type(model).__name__}")
-        Adapter.__init__(self, config or CanaryConfig(mode="log"), on_violation)
+        Adapter.__init__(self, config, on_violation)
         SchedulerSide.__init__(self)
         TransferSide.__init__(self)
         self.model = model
@@ -244,6 +244,23 @@ class Protection(SchedulerSide, TransferSide, Adapter):
             self.forget_departed()
 
 
-def protect(model: Any, config: CanaryConfig | None = None, **kw: Any) -> Protection:
-    """Protect ``model``'s continuous batching; use the result as a context manager."""
+def protect(model: Any, config: CanaryConfig | Mapping[str, Any] | None = None, **kw: Any) -> Protection:
+    """Protect ``model``'s continuous batching; use the result as a context manager.
+
+    ``config``: a :class:`CanaryConfig` (used as it is); ``None`` (the defaults in ``log`` mode, with
+    every set ``KVCANARY_*`` variable applied); or a mapping of field names to values such as
+    ``{"mode": "repair"}`` (those fields over the ``None`` case's)."""
     return Protection(model, config, **kw)
+
+
+def _config_of(config: object) -> CanaryConfig:
+    """The configuration ``protect(model, config)`` runs with (see :func:`protect`)."""
+    if isinstance(config, CanaryConfig):
+        return config
+    base = CanaryConfig.from_env(CanaryConfig(mode="log"))
+    if config is None:
+        return base
+    if isinstance(config, Mapping):
+        return CanaryConfig.from_mapping(config, base, where="config")
+    raise ConfigError(f"config: expected a CanaryConfig, a mapping of its field names to values (such as "
+                      f"{{'mode': 'repair'}}) or None, got {type(config).__name__} {config!r}")

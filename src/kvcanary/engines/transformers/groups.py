@@ -44,7 +44,7 @@ class Group:
         self.trash = allocator.write_trash_index
         # the read trash (padding tokens read it; the engine never writes it) and the sentinel next to it
         reserved = {int(self.compact(torch.tensor(i))) for i in (allocator.read_trash_index, allocator.sentinel_index)}
-        self.canary = Canary(self.pages.num_slots, self.pages.layout(reserved), config)
+        self.canary = Canary(self.pages.num_slots, self.pages.layout(reserved), config, healer="transformers")
 
     def compact(self, physical: torch.Tensor) -> torch.Tensor:
         return self.pages.compact(physical)

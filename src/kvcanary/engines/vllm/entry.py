@@ -59,6 +59,7 @@ from kvcanary.violations import Site, Violation
 
 log = logging.getLogger("kvcanary")
 NAME = "KvCanaryConnector"
+EXTRA_KEYS = ("stamp_store",)  # kv_connector_extra_config keys the connector reads itself (no CanaryConfig field)
 __all__ = ["KvCanaryConnector", "CanaryMeta", "ReqStep", "NAME"]
 
 
@@ -79,11 +80,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
-        extra = dict(getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {})
-        config = CanaryConfig.from_env(CanaryConfig(mode="log"))
-        if "mode" in extra:  # the mode beside the policy, in the same --kv-transfer-config
-            config = dataclasses.replace(config, mode=extra["mode"])
-        vllm_heal.check_policy(config.mode, self._kv_transfer_config)
+        config, stamp_store = connector_config(self._kv_transfer_config)
         Adapter.__init__(self, config)
         bs = int(vllm_config.cache_config.block_size)
         self.plans: list[GroupPlan] | None = plan_groups(kv_cache_config, vllm_config) if kv_cache_config else None
@@ -100,7 +97,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
             log.warning("kvcanary: this model has %d KV cache groups, and vLLM recomputes or fails requests by bad "
                         "block only with one; requests that read corrupted KV are failed one step later instead%s",
                         len(self.plans or []), " (mode 'repair' cannot recompute them)" if config.mode == "repair" else "")
-        self.stamp_store: str | None = extra.get("stamp_store") or os.environ.get("KVCANARY_STAMP_STORE")
+        self.stamp_store = stamp_store
         self.rank = _rank()
         SchedulerSide.__init__(self)
         # worker side
@@ -166,7 +163,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         bs = plan.block_size
         if not names:  # a group of draft layers only: positions are checked, no bytes
             some = next(iter(kv_caches.values()))
-            return Canary(int(some.shape[0]) * bs, None, self.config)
+            return Canary(int(some.shape[0]) * bs, None, self.config, healer="vllm")
         t = kv_caches[names[0]]
         if t.dim() != 4 or t.device.type != "cpu" or t.shape[2] != bs:
             raise UnsupportedError(f"vLLM KV cache of {plan.describe()}: expected the CPU backend's [num_blocks, "
@@ -180,7 +177,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         self.geometry.update(zip(names, layers))
         layout = KvLayout(tuple(s for i, g in enumerate(layers) for s in g.sources(f"layer{i}")),
                           reserved=tuple(range(bs)))
-        return Canary(num_blocks * bs, layout, self.config)
+        return Canary(num_blocks * bs, layout, self.config, healer="vllm")
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -408,3 +405,35 @@ def _rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # not initialised (scheduler side)
         return int(os.environ.get("RANK", 0))
+
+
+def connector_config(kv_transfer_config: Any) -> tuple[CanaryConfig, str | None]:
+    """The canary's configuration and stamp directory from vLLM's ``--kv-transfer-config``: every
+    :class:`CanaryConfig` field may stand in its ``kv_connector_extra_config`` by name (over the
+    ``KVCANARY_*`` variables, validated as they are; an unknown key is refused with the closest
+    name), beside ``stamp_store`` (else ``KVCANARY_STAMP_STORE``) and the policy a healing mode needs."""
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    config = CanaryConfig.from_mapping(extra, CanaryConfig.from_env(CanaryConfig(mode="log")),
+                                       where="kv_connector_extra_config", also=EXTRA_KEYS)
+    vllm_heal.check_policy(config.mode, kv_transfer_config)
+    _warn_unscraped(config)
+    return config, extra.get("stamp_store") or os.environ.get("KVCANARY_STAMP_STORE")
+
+
+_warned_unscraped: list[bool] = []
+
+
+def _warn_unscraped(config: CanaryConfig, environ: Any = None) -> bool:
+    """Say once per process when ``metrics`` is on but nothing would export it: vLLM runs the
+    canary in its engine-core and worker processes, whose registries the API server's ``/metrics``
+    shows only through ``PROMETHEUS_MULTIPROC_DIR``. Whether it said so now."""
+    env = os.environ if environ is None else environ
+    if (not config.metrics or config.metrics_port is not None or env.get("PROMETHEUS_MULTIPROC_DIR")
+            or _warned_unscraped):
+        return False
+    _warned_unscraped.append(True)
+    log.warning("kvcanary: metrics are on (KVCANARY_METRICS), but no scrape will show them: the canary runs in "
+                "vLLM's engine-core and worker processes, and the API server's /metrics collects other processes' "
+                "metrics only through PROMETHEUS_MULTIPROC_DIR; set PROMETHEUS_MULTIPROC_DIR to a directory (as "
+                "for vLLM's own multi-process metrics), or KVCANARY_METRICS_PORT for an exporter per process")
+    return True
