@@ -17,14 +17,18 @@ it started with. Each run gets ``OMP_NUM_THREADS=--threads``, and with ``--bind`
 ``OMP_PROC_BIND=true OMP_PLACES=cores`` (one OpenMP thread per core); ``threads`` in each line is what
 torch reported after the run. The canary runs on the engine's thread, inside the connector's hooks.
 
-Workload: a random Llama saved to a temporary folder (``--layers`` 4, ``--hidden`` 256, 4 heads of 64,
-2 KV heads, MLP 3 x hidden, vocab 512, fp32); ``--requests`` 32 prompts on 3 shared 64-token prefixes
-plus 3 to 30 own tokens, greedy, ``--max-tokens`` 96 new tokens each, at most 16 running, block size
-32, prefix caching on. One JSON line per round and mode, then a summary table (medians; ``x_off`` is
+Workloads (``--model``): ``tiny`` (default), a random Llama saved to a temporary folder (``--layers`` 4,
+``--hidden`` 256, 4 heads of 64, 2 KV heads, MLP 3 x hidden, vocab 512, fp32); ``--requests`` 32
+prompts on 3 shared 64-token prefixes plus 3 to 30 own tokens, ``--max-tokens`` 96 new tokens each.
+``real``: SmolLM2-135M-Instruct (:mod:`kvcanary.real_model`; 30 layers, 3 KV heads of 64) in bf16,
+the demo's 8 chat questions under its system prompt, twice over (16 requests; the second ask of each
+hits the prefix cache), 64 new tokens each (``--requests`` and ``--max-tokens`` override). Greedy, at
+most 16 running, block size 32, prefix caching on. ``real`` needs the converted model: ``kvcanary
+demo`` (or ``kvcanary.real_model.model_dir``) in the main environment converts it once. One JSON line per round and mode, then a summary table (medians; ``x_off`` is
 the mode's median wall time over off's, from this run). Exit status 1 if any run reported a
 violation or an internal error, or generated other tokens than the first run.
 
-    .venv-vllm/bin/python bench/vllm_cpu.py [--rounds 3] [--threads 1] [--bind] [--modes off,on,on_noaudit]
+    .venv-vllm/bin/python bench/vllm_cpu.py [--model tiny|real] [--rounds 3] [--threads 1] [--bind] [--modes off,on,on_noaudit]
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ MODES: dict[str, dict[str, str] | None] = {
 }
 
 
-def run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_mode(mode: str, model: str, args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
     """One engine run of ``mode`` in its own process: the generate call's time and the canary's counters."""
     env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCANARY_")}
     env.update(MODES[mode] or {})
@@ -57,8 +61,26 @@ def run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.bind:
         env.update(OMP_PROC_BIND="true", OMP_PLACES="cores")
     cfg = {"model": model, "canary": MODES[mode] is not None, "requests": args.requests,
-           "max_tokens": args.max_tokens, "max_seqs": 16, "num_blocks": 256, "warmup": 4}
+           "max_tokens": args.max_tokens, "max_seqs": 16, "num_blocks": 256, "warmup": 4, **extra}
     return run_in_subprocess(cfg, env=env, timeout=1200)
+
+
+def real_workload(args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
+    """The trained model's directory, its runs' extra keys (dtype, chat prompts) and its name."""
+    from transformers import AutoTokenizer
+
+    from kvcanary import real_model
+    from kvcanary.demo.chat import QUESTIONS
+
+    path = real_model.target_dir("bfloat16")
+    if not real_model.is_converted(path):
+        raise SystemExit(f"vllm_cpu.py --model real: expected the converted model at {path}; convert it once in "
+                         f"the main environment: .venv/bin/python -m kvcanary demo (or "
+                         f"kvcanary.real_model.model_dir('bfloat16'))")
+    tok = AutoTokenizer.from_pretrained(path)
+    asks = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
+    return path, {"dtype": "bfloat16", "prompt_ids": [real_model.chat_prompt(tok, q) for q in asks]}, \
+        f"{real_model.NAME} bf16"
 
 
 def line(rnd: int, mode: str, out: dict[str, Any]) -> dict[str, Any]:
@@ -113,8 +135,9 @@ def main() -> int:
     ap.add_argument("--bind", action="store_true", help="also OMP_PROC_BIND=true OMP_PLACES=cores")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--model", default="tiny", choices=("tiny", "real"))
+    ap.add_argument("--requests", type=int, help="default 32 (tiny), 16 (real)")
+    ap.add_argument("--max-tokens", type=int, help="default 96 (tiny), 64 (real)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     args = ap.parse_args()
     modes = ["off"] + [m for m in args.modes.split(",") if m != "off"]
@@ -124,18 +147,25 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     first: list[list[int]] | None = None  # the first run's tokens: every run must generate the same
     same = True
-    with tempfile.TemporaryDirectory(prefix="kvcanary-bench-vllm-") as model:
-        save_tiny_llama(model, layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2,
-                        intermediate=3 * args.hidden)
+    real = args.model == "real"
+    args.requests = args.requests or (16 if real else 32)
+    args.max_tokens = args.max_tokens or (64 if real else 96)
+    with tempfile.TemporaryDirectory(prefix="kvcanary-bench-vllm-") as tmp:
+        if real:
+            model, extra, name = real_workload(args)
+        else:
+            model, extra, name = tmp, {}, f"llama layers={args.layers} hidden={args.hidden}"
+            save_tiny_llama(model, layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2,
+                            intermediate=3 * args.hidden)
         for rnd in range(args.rounds):
             for mode in modes:
-                out = run_mode(mode, model, args)
-                rows.append(line(rnd, mode, out))
+                out = run_mode(mode, model, args, extra)
+                rows.append({**line(rnd, mode, out), "model": args.model})
                 print(json.dumps(rows[-1]), flush=True)
                 tokens = sorted(out["tokens"].values())
                 first = first or tokens
                 same = same and tokens == first
-    print(f"\nvLLM CPU, llama layers={args.layers} hidden={args.hidden}, {args.requests} requests x "
+    print(f"\nvLLM CPU, {name}, {args.requests} requests x "
           f"{args.max_tokens} new tokens, OMP_NUM_THREADS={args.threads}{' bound' if args.bind else ''}, "
           f"{args.rounds} rounds; medians; tokens identical in every run: {same}")
     sums = summary(rows, modes)

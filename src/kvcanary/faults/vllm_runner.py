@@ -141,7 +141,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     :mod:`kvcanary.faults.vllm`, injected at that forward or the first later one with a target);
     ``seed`` (prompts and fault); ``requests``, ``prefix`` (shared prefix tokens), ``max_tokens``,
     ``prompts`` (``"shared"``: shared prefixes and random tails; ``"repetitive"``: the same, each
-    made of a short repeated pattern, which ngram drafting predicts); ``warmup`` (requests of a
+    made of a short repeated pattern, which ngram drafting predicts); ``prompt_ids`` (the timed
+    run's prompts as token ids instead, e.g. a trained model's chat prompts); ``warmup`` (requests of a
     first, untimed generate on other prompts; the stats returned leave it out); sampling ``n``
     (parallel samples per request) and ``temperature``; ``spec`` (ngram speculative decoding with
     this many drafts); engine sizes ``num_blocks`` (``None``: what the KV cache space holds),
@@ -186,7 +187,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     shape = cfg.get("prompts", "shared")
 
     def generate(n: int, seed: int) -> tuple[list[Any], float]:
-        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(n, seed, cfg.get("prefix", 64), shape=shape)]
+        given = cfg.get("prompt_ids") if seed == cfg.get("seed", 0) else None  # the warm-up draws its own
+        ids = given or prompts(n, seed, cfg.get("prefix", 64), shape=shape)
+        ps = [TokensPrompt(prompt_token_ids=p) for p in ids]
         t0 = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         return outs, time.perf_counter() - t0

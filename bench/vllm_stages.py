@@ -1,0 +1,155 @@
+"""Where the canary's time goes in a vLLM CPU run, stage by stage: each stage's time per forward (and
+per layer call, for the per-layer stages) and its share of the canary's time, stages nested as the
+connector calls them, on the trained model (default) or the tiny random one.
+
+    .venv-vllm/bin/python bench/vllm_stages.py [--model real|tiny] [--threads 1] [--runs 2]
+
+Each run is an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) in a fresh process, with the
+connector's default configuration: the workload of ``bench/vllm_cpu.py`` (``real``: SmolLM2-135M-Instruct
+in bf16, 16 chat requests, 64 new tokens each; a 4-request warm-up generate is left out). A stage's
+time includes its callees; the worker-side hooks and the per-layer checks together are the canary's
+time on the engine's thread (``canary_us``), the scheduler-side hooks run in the engine core
+beside it. Each timed call adds about a microsecond of its own. The last lines give the generate
+call's wall time and the canary's share of it (its own counter, ``canary_us``), and the bytes its
+compiled loops fingerprinted per forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (module, owner within it or "", attribute, stage name): each hook, then its parts
+STAGES = [
+    ("kvcanary.engines.vllm.entry", "KvCanaryConnector.before_forward", "__wrapped__", "before-forward hook"),
+    ("kvcanary.engines.vllm.entry", "", "match_rows", "  rows matched to requests"),
+    ("kvcanary.engines.vllm.entry", "", "build_step", "  steps built (per group)"),
+    ("kvcanary.engines.vllm.entry", "KvCanaryConnector", "_verify_first_reads", "  first reads"),
+    ("kvcanary.canary", "Canary", "before_forward", "  canary.before_forward (verify, content window)"),
+    ("kvcanary.engines.vllm.audit", "VllmAudit", "begin", "  audit plan"),
+    ("kvcanary.engines.vllm.audit", "VllmAudit", "_check", "per-layer checks (write check, read audit)"),
+    ("kvcanary.engines.audit", "EngineAudit", "run_compiled", "  compiled call"),
+    ("kvcanary.engines.vllm.entry", "KvCanaryConnector.after_forward", "__wrapped__", "after-forward hook"),
+    ("kvcanary.canary", "Canary", "after_forward", "  canary.after_forward (stamp, guard, patrol)"),
+    ("kvcanary.engines.vllm.entry", "KvCanaryConnector", "report_and_heal", "  report and heal"),
+    ("kvcanary.engines.vllm.entry", "KvCanaryConnector", "publish_metrics", "  metrics"),
+    ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "build_connector_meta", "scheduler: build_connector_meta"),
+    ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "update_state_after_alloc", "scheduler: after alloc"),
+    ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "request_finished", "scheduler: request finished"),
+]
+CANARY = ("before-forward hook", "per-layer checks (write check, read audit)", "after-forward hook")
+PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call")
+
+
+def _install(spent: dict[str, float], calls: dict[str, int]) -> None:
+    import importlib
+
+    for module, owner, attr, stage in STAGES:
+        obj: Any = importlib.import_module(module)
+        for part in filter(None, owner.split(".")):
+            obj = getattr(obj, part)
+        fn = getattr(obj, attr)
+
+        def wrapper(*a: Any, _fn: Any = fn, _stage: str = stage, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                spent[_stage] += time.perf_counter() - t
+                calls[_stage] += 1
+
+        setattr(obj, attr, wrapper)
+
+
+def child(cfg: dict[str, Any]) -> None:
+    """One engine run with every stage timed; prints one RESULT line."""
+    from kvcanary.faults import vllm_runner
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
+    _install(spent, calls)
+    found = vllm_runner._canary
+
+    def timed_from_here() -> Any:  # called between the warm-up generate and the timed one
+        spent.clear()
+        calls.clear()
+        return found()
+
+    vllm_runner._canary = timed_from_here
+    out = vllm_runner.run(cfg)
+    st = out["stats"]
+    print("RESULT " + json.dumps({"spent": spent, "calls": calls, "wall_s": out["generate_s"], "stats": st}),
+          flush=True)
+
+
+def run(cfg: dict[str, Any], threads: int) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads))
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], capture_output=True,
+                       text=True, timeout=1200, env=env)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise SystemExit(f"vllm_stages.py: the engine run failed:\n{p.stderr[-3000:]}")
+    return dict(json.loads(line[len("RESULT "):]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--model", default="real", choices=("real", "tiny"))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    sys.path.insert(0, HERE)
+    import tempfile
+
+    from vllm_cpu import real_workload
+
+    from kvcanary.faults.vllm_runner import save_tiny_llama
+
+    with tempfile.TemporaryDirectory(prefix="kvcanary-stages-") as tmp:
+        ns = argparse.Namespace(requests=16 if args.model == "real" else 32)
+        if args.model == "real":
+            model, extra, name = real_workload(ns)
+        else:
+            model, extra, name = save_tiny_llama(tmp, layers=4, hidden=256, heads=4, kv_heads=2,
+                                                 intermediate=768), {}, "llama layers=4 hidden=256"
+        cfg = {"model": model, "canary": True, "requests": ns.requests, "max_tokens": 64 if args.model == "real"
+               else 96, "max_seqs": 16, "num_blocks": 256, "warmup": 4, **extra}
+        runs = [run(cfg, args.threads) for _ in range(args.runs)]
+    forwards = sum(r["stats"]["forwards"] for r in runs)  # the timed generates' forwards
+    spent = {s: sum(r["spent"].get(s, 0.0) for r in runs) for _, _, _, s in STAGES}
+    calls = {s: sum(r["calls"].get(s, 0) for r in runs) for _, _, _, s in STAGES}
+    total = sum(spent[s] for s in CANARY)
+    print(f"vLLM CPU, {name}, {ns.requests} requests, OMP_NUM_THREADS={args.threads}, {args.runs} runs, "
+          f"{forwards} timed forwards")
+    for _, _, _, stage in STAGES:
+        per_call = f"  {spent[stage] / max(calls[stage], 1) * 1e6:7.1f} us/call" if stage in PER_CALL else ""
+        print(f"{stage:52s} {spent[stage] / forwards * 1e6:8.1f} us/forward  {spent[stage] / total:6.1%} "
+              f"of the canary{per_call}")
+    wall = statistics.median(r["wall_s"] for r in runs)
+    share = statistics.median(r["stats"]["canary_us"] / 1e6 / r["wall_s"] for r in runs)
+    st = runs[0]["stats"]
+    print(json.dumps({"model": args.model, "forwards": forwards, "canary_us_per_forward": round(total / forwards * 1e6, 1),
+                      "generate_s": round(wall, 3), "canary_share_of_generate": round(share, 4),
+                      "forward_ms": round(1e3 * wall / max(st["forwards"], 1), 2),
+                      "content_MiB_per_forward": round((st["content_bytes_verified"] + st["content_bytes_stamped"])
+                                                       / 2**20 / max(st["forwards"], 1), 3),
+                      "threads": args.threads}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
