@@ -167,7 +167,8 @@ class CbForward:
         from kvcanary.engines.transformers.compiled import StepBuilder
 
         self.canary, self.book, self.builder = canary, TokenBook(), StepBuilder()
-        self.groups = {"full": types.SimpleNamespace(index=0, stride=BLOCK, tpp=BLOCK, trash=-7, canary=canary)}
+        pages = types.SimpleNamespace(block_stride=BLOCK)  # the group's geometry: what the step build reads of it
+        self.groups = {"full": types.SimpleNamespace(index=0, pages=pages, block_size=BLOCK, trash=-7, canary=canary)}
 
     def prepare(self, reqs_: Requests, first: bool) -> tuple:
         return reqs_.cb_batch()
