@@ -180,7 +180,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     events = vllm_events.watch() if events_file is None else {}
     seed = cfg.get("seed", 0)
     fault = faults_vllm.install(cfg["fault"], cfg.get("fault_at", 3), seed) if cfg.get("fault") else None
-    signatures = _signatures() if kvc is not None else None
     llm = _engine(cfg, kvc)
     sp = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=cfg.get("temperature", 0.0),
                         n=cfg.get("n", 1), ignore_eos=True)
@@ -216,20 +215,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if canary is not None:
         out["stats"] = {k: v if k in LEVELS else v - before.get(k, 0) for k, v in canary.stats().items()}
         out["violations"] = [{**v.to_dict(), "text": v.describe()} for v in canary.violations[:200]]
-        if signatures is not None:  # compiled-loop signatures the run needed beyond kvcanary warmup's
-            out["loop_signatures_added"] = (_signatures() or 0) - signatures
+        from kvcanary import fused  # imported by the connector already (numba before the engine breaks its start)
+
+        # compiled-loop signatures the run needed beyond the warm-up's (kvcanary warmup compiles those)
+        out["loop_signatures_added"] = fused.added_since_warm_up()
     if fault is not None and canary is not None:
         out["fault"] = fault.detail
     return out
-
-
-def _signatures() -> int | None:
-    """Signatures of the fused loops this process holds once the warm-up ran (``None``: no fused path)."""
-    from kvcanary import fused
-
-    if fused.available() is not None:
-        return None
-    return sum(len(d.signatures) for d in fused.loops().values())
 
 
 def _with_aborts(llm: Any, ps: list[list[int]], sp: Any, after: int) -> tuple[list[Any], float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 _why: list[str | None] = []
+_warm: list[dict[str, list[Any]]] = []  # each loop's signatures once the warm-up ran
 
 
 def available() -> str | None:
@@ -17,6 +18,7 @@ def available() -> str | None:
     if not _why:
         try:
             _warm_up()
+            _warm.append({k: list(d.signatures) for k, d in loops().items()})
             _why.append(None)
         except Exception as e:  # an absent or broken numba: the torch path takes over
             _why.append(f"{type(e).__name__}: {e}")
@@ -39,6 +41,21 @@ def loops() -> dict[str, Any]:
             for k, v in vars(m).items()
             if isinstance(v, Dispatcher) and v.targetoptions.get("inline") != "always"
             and v.py_func.__module__ == m.__name__}
+
+
+def signatures() -> int:
+    """Signatures the compiled loops hold in this process (compiled or loaded)."""
+    return sum(len(d.signatures) for d in loops().values())
+
+
+def added_since_warm_up() -> list[str] | None:
+    """The signatures (``loop(argument types)``) this process's engine use added beyond the
+    warm-up's (``None``: no warm-up ran): each was compiled or loaded in an engine's forward rather
+    than ahead of it."""
+    if not _warm:
+        return None
+    return [f"{k}{tuple(map(str, sig))}" for k, d in loops().items() for sig in d.signatures
+            if sig not in _warm[0].get(k, ())]
 
 
 def compiled() -> int:
@@ -97,8 +114,9 @@ def _warm_up() -> None:
     from kvcanary.fused import forward
     from kvcanary.fused._step import describe
 
-    # vLLM's metadata: int32 query starts, sequence lengths and block tables, int64 slot mapping
-    fill_tokens(i32(0, 1), i32(1), np.zeros((1, 1), dtype=np.int64), i64(0), i64(0))
+    # vLLM's metadata: int32 query starts and block tables, int64 slot mapping (sequence lengths: int32 to
+    # fill_new, int64 to fill_tokens)
+    fill_tokens(i32(0, 1), i64(1), np.zeros((1, 1), dtype=np.int64), i64(0), i64(0))  # sequence lengths as int64
     fill_new(i32(0, 1), i32(1), i64(0), np.ones(1, dtype=np.bool_), i64(0), i64(0), i64(0))
 
     cursor = torch.zeros(1, dtype=torch.int64)  # held: the loop writes through its address
