@@ -1,8 +1,10 @@
 """Where a protected transformers forward's canary time goes, stage by stage, inside a live
-continuous-batching run (the demo model, 16 requests, decode-heavy): each stage's time per forward
-and its share of the canary's time, stages nested as the adapter calls them.
+continuous-batching run: each stage's time per forward and its share of the canary's time, stages
+nested as the adapter calls them. ``--model tiny`` (default): the demo's random model, 16 requests,
+decode-heavy; ``--model real``: SmolLM2-135M-Instruct (:mod:`kvcanary.real_model`) in bf16, the demo's
+8 chat questions twice over (16 requests), 64 new tokens each, greedy.
 
-    python bench/transformers_stages.py [--threads 1] [--runs 3] [--backend fused]
+    python bench/transformers_stages.py [--model tiny|real] [--threads 1] [--runs 3] [--backend fused]
 
 A stage's time includes its callees (a canary hook includes its compiled call); the two hook totals
 are the canary's time. Each wrapped call adds about a microsecond of its own.
@@ -22,6 +24,7 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--runs", type=int, default=3)
 ap.add_argument("--backend", default="fused")
+ap.add_argument("--model", default="tiny", choices=("tiny", "real"))
 ARGS = ap.parse_args()
 os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))
 
@@ -73,9 +76,17 @@ def main() -> None:
     torch.set_num_threads(ARGS.threads)
     for owner, attr, stage in STAGES:
         timed(owner, attr, stage)
-    model = tiny_model(seed=0, layers=4, hidden=128)
-    ps = prompts(16, 8, (1, 4))
-    gen, cbc = cb_configs(max_new_tokens=96, num_blocks=256, max_batch_tokens=256)
+    if ARGS.model == "real":
+        from kvcanary import real_model
+        from kvcanary.demo.chat import QUESTIONS
+
+        model, tok = real_model.load("bfloat16")
+        ps = [real_model.chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(16)]
+        gen, cbc = cb_configs(max_new_tokens=64, num_blocks=256, max_batch_tokens=256)
+    else:
+        model = tiny_model(seed=0, layers=4, hidden=128)
+        ps = prompts(16, 8, (1, 4))
+        gen, cbc = cb_configs(max_new_tokens=96, num_blocks=256, max_batch_tokens=256)
     cfg = CanaryConfig(mode="log", backend=ARGS.backend)
     forwards = 0
     wall = 0.0
@@ -93,7 +104,8 @@ def main() -> None:
     for _, _, stage in STAGES:
         print(f"{stage:48s} {spent[stage] / forwards * 1e6:8.1f} us/forward  {spent[stage] / total:6.1%} of the canary")
     print(json.dumps({"forwards": forwards, "canary_us_per_forward": round(total / forwards * 1e6, 1),
-                      "canary_share_of_run": round(total / wall, 4), "threads": ARGS.threads, "backend": ARGS.backend}))
+                      "canary_share_of_run": round(total / wall, 4), "forward_ms": round(1e3 * wall / forwards, 2),
+                      "threads": ARGS.threads, "backend": ARGS.backend, "model": ARGS.model}))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 per layer call, for the per-layer stages) and its share of the canary's time, stages nested as the
 connector calls them, on the trained model (default) or the tiny random one.
 
-    .venv-vllm/bin/python bench/vllm_stages.py [--model real|tiny] [--threads 1] [--runs 2]
+    .venv-vllm/bin/python bench/vllm_stages.py [--model real|tiny] [--threads 1] [--runs 2] [--set KVCANARY_X=V ...]
 
 Each run is an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) in a fresh process, with the
 connector's default configuration: the workload of ``bench/vllm_cpu.py`` (``real``: SmolLM2-135M-Instruct
@@ -91,8 +91,9 @@ def child(cfg: dict[str, Any]) -> None:
           flush=True)
 
 
-def run(cfg: dict[str, Any], threads: int) -> dict[str, Any]:
+def run(cfg: dict[str, Any], threads: int, config: list[str]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_")}
+    env.update(kv.split("=", 1) for kv in config)
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads))
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], capture_output=True,
                        text=True, timeout=1200, env=env)
@@ -107,6 +108,8 @@ def main() -> int:
     ap.add_argument("--model", default="real", choices=("real", "tiny"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], metavar="KVCANARY_X=V",
+                    help="a configuration variable of the runs (default: none, the default configuration)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -128,7 +131,10 @@ def main() -> int:
                                                  intermediate=768), {}, "llama layers=4 hidden=256"
         cfg = {"model": model, "canary": True, "requests": ns.requests, "max_tokens": 64 if args.model == "real"
                else 96, "max_seqs": 16, "num_blocks": 256, "warmup": 4, **extra}
-        runs = [run(cfg, args.threads) for _ in range(args.runs)]
+        bad = [kv for kv in args.set if not kv.startswith("KVCANARY_") or "=" not in kv]
+        if bad:
+            ap.error(f"--set: expected KVCANARY_NAME=VALUE, got {', '.join(bad)}")
+        runs = [run(cfg, args.threads, args.set) for _ in range(args.runs)]
     forwards = sum(r["stats"]["forwards"] for r in runs)  # the timed generates' forwards
     spent = {s: sum(r["spent"].get(s, 0.0) for r in runs) for _, _, _, s in STAGES}
     calls = {s: sum(r["calls"].get(s, 0) for r in runs) for _, _, _, s in STAGES}
@@ -147,7 +153,7 @@ def main() -> int:
                       "forward_ms": round(1e3 * wall / max(st["forwards"], 1), 2),
                       "content_MiB_per_forward": round((st["content_bytes_verified"] + st["content_bytes_stamped"])
                                                        / 2**20 / max(st["forwards"], 1), 3),
-                      "threads": args.threads}))
+                      "threads": args.threads, "set": args.set}))
     return 0
 
 

@@ -156,3 +156,56 @@ def test_unverified_age_is_bounded_by_the_patrol_walk():
     nop, _ = canary(mode="log", patrol_budget_bytes=0)
     nop.forwards = 7
     assert nop.stats()["unverified_age_max_steps"] == 7  # no patrol: as old as the canary's watch
+
+
+def _every_byte_of(geom, slot):
+    """Every byte offset (from the storage's first byte) of ``slot``'s K and V in ``geom``."""
+    return [geom.element(h, slot, head, d) + b for h in ("k", "v") for head in range(geom.num_kv_heads)
+            for d in range(geom.head_dim) for b in range(geom.element_size)]
+
+
+@pytest.mark.parametrize("isa", ["vec16", "amx"])
+def test_the_fused_guard_snapshot_covers_every_byte_of_the_null_block(isa):
+    """vLLM's CPU layouts: the fused guard compares the null block's bytes with a snapshot first;
+    a change of any one byte of any reserved slot, in any layer, still reaches the per-slot check
+    and is reported once with its slot, and then the snapshot holds the new bytes."""
+    from kvcanary.geometry.vllm_cpu import vllm_cpu
+
+    bs, heads, dim, blocks = 16, 2, 16, 6
+    caches = [torch.randn(blocks, heads, bs, 2 * dim).to(torch.bfloat16) for _ in range(2)]
+    geoms = [vllm_cpu(t, isa, bs, heads, dim, i) for i, t in enumerate(caches)]
+    layout = KvLayout(tuple(s for i, g in enumerate(geoms) for s in g.sources(f"layer{i}")), reserved=tuple(range(bs)))
+    c = Canary(blocks * bs, layout, CanaryConfig(mode="log", backend="fused"))
+    g = c.guards
+    assert g.snapshot is not None and g.regions.shape[0] >= 1
+    assert int(g.regions[:, 1].sum()) <= 2 * bs * c.table.bytes_per_slot
+    flat = [geoms[i].storage_bytes() for i in range(2)]
+    import random
+
+    rng = random.Random(3)
+    for trial in range(12):
+        layer, slot = rng.randrange(2), rng.randrange(bs)
+        at = rng.choice(_every_byte_of(geoms[layer], slot))
+        flat[layer][at] ^= 1 << rng.randrange(8)
+        c.guard()
+        found = c.poll()
+        assert [(v.site, v.slot) for v in found] == [(Site.GUARD, slot)], (trial, layer, slot, at)
+        c.guard()
+        assert c.poll() == []  # the snapshot and the fingerprints hold the changed bytes now
+    assert c.stats()["guard_checks"] == 24 * c.guard_slots
+
+
+def test_no_snapshot_where_a_reserved_slot_spans_live_kv():
+    """A reserved slot whose bytes lie far apart (here: K of one slot spread over a block shared
+    with live slots) would make the guard compare and copy live KV on every forward: no snapshot,
+    the per-slot check alone, with the same results."""
+    from kvcanary.geometry.vllm_cpu import vllm_cpu
+
+    bs, heads, dim, blocks = 16, 2, 16, 6
+    cache = torch.randn(blocks, heads, bs, 2 * dim).to(torch.bfloat16)
+    geom = vllm_cpu(cache, "vec16", bs, heads, dim, 0)
+    c = Canary(blocks * bs, KvLayout(geom.sources("layer0"), reserved=(3,)), CanaryConfig(mode="log", backend="fused"))
+    assert c.guards.snapshot is None
+    geom.storage_bytes()[geom.element("k", 3, 1, 7)] ^= 4
+    c.guard()
+    assert [(v.site, v.slot) for v in c.poll()] == [(Site.GUARD, 3)]

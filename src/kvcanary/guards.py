@@ -51,11 +51,26 @@ class GuardSlots:
         self.now, self.base, self.was, self.got = zeros(), zeros(), zeros(), zeros()
         if n:
             content(self.reserved, table, num_slots, self.base)
+        # the fused path: the reserved slots' bytes as they were when ``base`` was taken
+        self.regions: Any = None
+        self.snapshot: Any = None
+        if n and device.type == "cpu" and hasattr(table, "runs"):  # a fused layout table (kvcanary.fused._core)
+            from kvcanary.fused.snapshot import regions, taken
+
+            self.regions = regions(table, self.reserved.numpy(), table.bytes_per_slot)
+            self.snapshot = taken(self.regions) if self.regions.shape[0] else None
         self.hit = torch.full((n,), -1, dtype=torch.int64, device=device)
         # on a CPU pool, as numpy once: each drain looks at it (a torch call per drain costs tens of
         # microseconds right after an engine's forward)
         self.hit_host = self.hit.numpy() if self.hit.is_cpu else None
         self.num_slots = num_slots
+
+    def snapshot_args(self) -> tuple[int, int, int]:
+        """The fused guard's snapshot: its regions' address, their count, the snapshot's address
+        (zeros: none)."""
+        if self.snapshot is None:
+            return 0, 0, 0
+        return self.regions.ctypes.data, int(self.regions.shape[0]), self.snapshot.ctypes.data
 
     @property
     def count(self) -> int:
@@ -70,7 +85,7 @@ class GuardSlots:
 
             if self.every.numel():
                 guard(stamps, table, self.every, self.reserved.shape[0], self.base, self.hit, self.was, self.got,
-                      counters, rows)
+                      counters, rows, self.snapshot_args())
             return
         if self.guarded.numel():  # counted as guard checks, not as scrubbed slots
             scrubbed = counters[_SCRUB_COUNTERS].clone()

@@ -157,15 +157,15 @@ class EngineAudit:
         fa = self.fa
         assert fa is not None
         toks = self.write_tokens if self.write_tokens is not None else NO_TOKENS
-        half = np.zeros((layers.shape[0], len(toks)), dtype=np.int64)
-        head = np.zeros_like(half)
+        shape = (layers.shape[0], len(toks))
+        half, head = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
         check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, fa.err, fa.shift, fa.tol, gathered)
-        kept = np.nonzero(ptrs[:, PTR_K])[0]
-        if kept.size:
-            rows = kept.tolist()
+        rows = [i for i, p in enumerate(ptrs[:, PTR_K].tolist()) if p]
+        if rows:
+            kept = rows if len(rows) < shape[0] else slice(None)
             fa.writes.append(Writes([layer_ids[i] for i in rows], [groups[i] for i in rows], toks, half[kept],
                                     head[kept]))
-            self.count_writes(len(kept), len(toks), token_bytes)
+            self.count_writes(len(rows), len(toks), token_bytes)
 
     @staticmethod
     def layer_row(geometry: KvGeometry, step: int, query_dtype: torch.dtype) -> list[int]:

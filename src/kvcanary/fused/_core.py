@@ -57,6 +57,16 @@ def st_i64(typingctx, addr, value):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def st_u8(typingctx, addr, value):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        byte = builder.trunc(args[1], ir.IntType(8))
+        builder.store(byte, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64), codegen
+
+
+@intrinsic
 def prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
     """Hint the cache line at ``addr`` into the caches (a read; no fault on any address)."""
 

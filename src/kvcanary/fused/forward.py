@@ -33,7 +33,8 @@ _SITE_SCRUB = int(Site.SCRUB)
 # and its guard slots' addresses and counts (kvcanary.guards)
 C_STAMPS, C_NUM_SLOTS, C_COUNTERS, C_CURSOR, C_RING, C_CAP, C_BPS = range(7)
 C_GUARD, C_NRES, C_NGUARD, C_GBASE, C_GHIT, C_GWAS, C_GGOT = range(7, 14)
-CANARY_FIELDS = 14
+C_REGIONS, C_NREGIONS, C_SNAP = range(14, 17)  # the reserved slots' snapshot (kvcanary.fused.snapshot)
+CANARY_FIELDS = 17
 # one call's record: the content budget in slots (-1: all), verify's part, whether to check the
 # step's values, the forward's number, whether the after entry runs the forward's tail (the guard,
 # the step count, the patrol), and the patrol's first slot and slot count
@@ -82,7 +83,7 @@ def _after(d, c, k, src, runs, keys, writers, led_at, led_before):  # type: igno
                 return STAMPED
     if c[C_NGUARD]:
         _guard(stamps, src, runs, keys, c[C_GUARD], c[C_NRES], c[C_NGUARD], c[C_GBASE], c[C_GHIT], c[C_GWAS],
-               c[C_GGOT], counters, ring, cap)
+               c[C_GGOT], counters, ring, cap, c[C_REGIONS], c[C_NREGIONS], c[C_SNAP])
     bump(counters, _STEPS, 1)
     patrol_n, patrol_from = k[K_PATROL_N], k[K_PATROL_FROM]
     if patrol_n:
@@ -123,6 +124,7 @@ class ForwardArgs:
             checked_out(c.cursor, (1,)), checked_out(ring, tuple(ring.shape)), ring.shape[0], table.bytes_per_slot)
         record[[C_GUARD, C_NRES, C_NGUARD]] = checked_out(g.every, (ng,)) if ng else 0, nres, ng
         record[[C_GBASE, C_GHIT, C_GWAS, C_GGOT]] = [checked_out(t, (nres,)) for t in (g.base, g.hit, g.was, g.got)]
+        record[[C_REGIONS, C_NREGIONS, C_SNAP]] = g.snapshot_args()
         self.record = record
         self.call = np.zeros(CALL_FIELDS, dtype=np.int64)  # rewritten by every call
 

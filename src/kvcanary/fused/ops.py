@@ -20,6 +20,7 @@ from kvcanary.fused._step import (CL, ENP, ENT, ER, ET, NNEW, NO, NP, NROWS, NS,
                                   describe, expected_row, lookup, rd, rd2, record, start, table_row, valid)
 from kvcanary.fused._step import _LIM, TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
 from kvcanary.fused.cache import njit
+from kvcanary.fused.snapshot import same, take
 from kvcanary.step import Step
 from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS, Check, Counter, Site
 
@@ -346,9 +347,16 @@ def _scrub(stamps, num_slots, src, runs, keys, slots, esz, n, counters, ring, ca
 
 
 @njit(**JIT)
-def _guard(stamps, src, runs, keys, slots, nres, n, base, hit, was, got, counters, ring, cap):  # type: ignore[no-untyped-def]
+def _guard(stamps, src, runs, keys, slots, nres, n, base, hit, was, got, counters, ring, cap, regions, nreg,
+           snap):  # type: ignore[no-untyped-def]
     step_id = ld_i64(counters + 8 * _STEPS)
-    for i in range(n):
+    first = 0
+    if nreg:  # the reserved slots' bytes as they were when their fingerprints were taken: none changed
+        if same(regions, nreg, snap):
+            first = nres
+        else:
+            take(regions, nreg, snap)  # the fingerprints below are taken of these bytes
+    for i in range(first, n):
         s = ld_i64(slots + 8 * i)
         fp = fold_slot(src, runs, keys, s)
         if i < nres:  # a reserved slot: against its fingerprint, re-taken on a change
@@ -492,16 +500,20 @@ def content(slots: torch.Tensor, src: SourceTable, num_slots: int, out: torch.Te
 
 
 def guard(stamps: torch.Tensor, src: SourceTable, slots: torch.Tensor, nres: int, base: torch.Tensor,
-          hit: torch.Tensor, was: torch.Tensor, got: torch.Tensor, counters: torch.Tensor, ring: torch.Tensor) -> None:
+          hit: torch.Tensor, was: torch.Tensor, got: torch.Tensor, counters: torch.Tensor, ring: torch.Tensor,
+          snapshot: tuple[int, int, int] | None = None) -> None:
     """:meth:`kvcanary.canary.Canary.guard` in one pass: ``slots`` (int64, in the pool) are the
     ``nres`` reserved slots, then the guarded live ones. A reserved slot whose fingerprint differs
     from ``base`` gets the step in ``hit`` (if none yet), the fingerprints before and after in
     ``was`` and ``got``, and ``base`` the new one; a guarded slot that holds a stamp is compared with
-    it, a mismatch recorded in the ring (site ``guard``). Counts ``guard_checks``."""
+    it, a mismatch recorded in the ring (site ``guard``). Counts ``guard_checks``. ``snapshot``: the
+    reserved slots' regions' address, their count and the snapshot's address
+    (:mod:`kvcanary.fused.snapshot`), which skip the reserved slots whose bytes are unchanged."""
     c, rg, cap = _ring_args(counters, ring)
     addr = [checked_out(t, (nres,)) for t in (base, hit, was, got)]
+    reg, nreg, at = snapshot if snapshot is not None else (0, 0, 0)
     _guard(checked_out(stamps, (stamps.shape[0], 4)), src.src, src.runs, src.keys, checked_out(slots, (slots.shape[0],)),
-           nres, slots.shape[0], *addr, c, rg, cap)
+           nres, slots.shape[0], *addr, c, rg, cap, reg, nreg, at)
 
 
 def validate(step: Step, num_slots: int) -> None:

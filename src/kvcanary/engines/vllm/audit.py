@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -63,6 +64,30 @@ def install() -> None:
     CPUAttentionBackendImpl.forward = forward
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """A layer's constants for its checks, read from its attention on its first call: its number
+    in the records, whether it is checked at all (decoder attention), writes its own KV (no KV
+    sharing) and is audited (no ALiBi, its group's window), its heads, query heads per KV head,
+    scale, soft-cap, sinks and tolerance, its cache's dtype, whether the compiled loop reads it, and
+    its floats for the compiled loop without queries, and the sinks' logits for those with them."""
+
+    number: int
+    checked: bool
+    writes: bool
+    audited: bool
+    heads: int
+    rep: int
+    scale: float
+    softcap: float | None
+    sinks: torch.Tensor | None
+    tol: tuple[float, float]
+    dtype: torch.dtype
+    compiled: bool
+    floats: np.ndarray
+    sink_logits: np.ndarray | None
+
+
 class VllmAudit(EngineAudit):
     """The write check and read audit of one worker's connector."""
 
@@ -73,7 +98,7 @@ class VllmAudit(EngineAudit):
         self.index: dict[str, int] = {}  # layer name -> its number in the records' "layer" field
         self.plans: dict[int, LayerPlan] = {}  # by the layer's number
         self._rows: dict[str, tuple[int, np.ndarray]] = {}  # the compiled loop's layer row, by the cache it was made for
-        self._consts: dict[str, tuple[Any, ...]] = {}  # layer -> (rep, scale, soft-cap, tolerance, sinks), once seen
+        self._static: dict[str, _Layer] = {}  # layer -> what its checks take from its attention, once seen
         self._tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # this forward's compiled tables by layer
         self._step_descs: dict[str, np.ndarray] = {}
         self._strides: dict[tuple[Any, ...], np.ndarray] = {}
@@ -115,9 +140,9 @@ class VllmAudit(EngineAudit):
 
             self._step_descs = {g.name: describe(g.step)[None] for g in live}
             for name in (n for n in layers if self.index[n] in self.plans):
-                known = self._consts.get(name)
-                if known is not None:
-                    self._tables[name] = self._table(name, *known)
+                known = self._static.get(name)
+                if known is not None and known.compiled:
+                    self._tables[name] = self._table(name, known)
         row = max([self.geometry[n].token_bytes for n in layers] + [1])
         self.pick_writes(int(qsl[-1]), row, len(layers), torch.device("cpu"))
 
@@ -137,49 +162,57 @@ class VllmAudit(EngineAudit):
 
     def _check(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
-        from vllm.v1.attention.backend import AttentionType
-
         name = layer.layer_name
         g = self.groups.get(name)
         fa = self.fa
-        if g is None or fa is None or g.step is None or getattr(impl, "attn_type", None) != AttentionType.DECODER:
+        if g is None or fa is None or g.step is None:
             return
-        if not getattr(md, "causal", True) or getattr(md, "dynamic_causal", None) is not None:
+        c = self._static.get(name)
+        if c is None:
+            c = self._static[name] = self._constants(name, impl, kv_cache, query.dtype)
+        if not c.checked or not getattr(md, "causal", True) or getattr(md, "dynamic_causal", None) is not None:
             return
-        write = self.write_tokens is not None and getattr(impl, "kv_sharing_target_layer_name", None) is None
-        plan = self.plans.get(self.index[name])
-        window = impl.sliding_window if impl.sliding_window and impl.sliding_window > 0 else None
-        # a layer whose window is not its group's is not audited, nor ALiBi
-        if plan is not None and (getattr(impl, "alibi_slopes", None) is not None or window != g.plan.window):
-            plan = None
-        rep = impl.num_heads // impl.num_kv_heads
-        out3 = output.view(output.shape[0], impl.num_heads, -1)
-        softcap = impl.logits_soft_cap if impl.logits_soft_cap else None
-        sinks = impl.sinks.detach() if getattr(impl, "sinks", None) is not None else None
-        tol = self.auditor.tolerance_for(query.dtype)
+        write = self.write_tokens is not None and c.writes
+        plan = self.plans.get(c.number) if c.audited else None
+        out3 = output.view(output.shape[0], c.heads, -1)
         geom = self.geometry[name]
-        dt = kv_cache.dtype
-        if (g.canary.backend == "fused" and geom.descriptors() is not None and dt in DTYPES
-                and key.dtype == value.dtype == query.dtype == out3.dtype == dt):
-            self._compiled(name, g, geom, key, value, query, out3, write, plan, rep, softcap, sinks, tol,
-                           float(impl.scale))
+        if c.compiled and key.dtype == value.dtype == query.dtype == out3.dtype == c.dtype:
+            self._compiled(name, g, geom, key, value, query, out3, write, plan, c)
             return
         if write:
             assert self.write_index is not None
             slots = g.step.new_slots[self.write_index]
-            self.check_writes(self.index[name], g.name, geom, slots, key[self.write_index], value[self.write_index])
+            self.check_writes(c.number, g.name, geom, slots, key[self.write_index], value[self.write_index])
         if plan is not None:
-            self.check_queries(plan, g.step, geom, query[plan.token, plan.head], out3[plan.token, plan.head], rep,
-                               float(impl.scale), softcap, sinks[plan.head] if sinks is not None else None, tol)
+            self.check_queries(plan, g.step, geom, query[plan.token, plan.head], out3[plan.token, plan.head], c.rep,
+                               c.scale, c.softcap, c.sinks[plan.head] if c.sinks is not None else None, c.tol)
+
+    def _constants(self, name: str, impl: Any, kv_cache: torch.Tensor, query_dtype: torch.dtype) -> _Layer:
+        """What a layer's checks take from its attention once (its impl's settings do not change)."""
+        from vllm.v1.attention.backend import AttentionType
+
+        g = self.groups[name]
+        window = impl.sliding_window if impl.sliding_window and impl.sliding_window > 0 else None
+        sinks = impl.sinks.detach() if getattr(impl, "sinks", None) is not None else None
+        softcap = impl.logits_soft_cap if impl.logits_soft_cap else None
+        fused = g.canary.backend == "fused" and self.geometry[name].descriptors() is not None
+        scale, tol = float(impl.scale), self.auditor.tolerance_for(query_dtype)
+        return _Layer(
+            number=self.index[name], checked=getattr(impl, "attn_type", None) == AttentionType.DECODER,
+            writes=getattr(impl, "kv_sharing_target_layer_name", None) is None,
+            # a layer whose window is not its group's is not audited, nor ALiBi
+            audited=getattr(impl, "alibi_slopes", None) is None and window == g.plan.window,
+            heads=impl.num_heads, rep=impl.num_heads // impl.num_kv_heads, scale=scale, softcap=softcap, sinks=sinks,
+            tol=tol, dtype=kv_cache.dtype, compiled=fused and kv_cache.dtype in DTYPES,
+            floats=floats([(scale, softcap or 0.0, *tol)]),
+            sink_logits=None if sinks is None else sinks.float().numpy())
 
     def _compiled(self, name: str, g: Any, geom: KvGeometry, key: torch.Tensor, value: torch.Tensor,
-                  query: torch.Tensor, out3: torch.Tensor, write: bool, plan: LayerPlan | None, rep: int,
-                  softcap: float | None, sinks: torch.Tensor | None, tol: tuple[float, float], scale: float) -> None:
+                  query: torch.Tensor, out3: torch.Tensor, write: bool, plan: LayerPlan | None, c: _Layer) -> None:
         """One layer's write check and audited queries in one compiled call."""
-        self._consts[name] = (rep, scale, softcap or 0.0, tol, None if sinks is None else sinks.float().numpy())
-        qt, fl = NO_QUERIES, floats([(scale, softcap or 0.0, *tol)])
+        qt, fl = NO_QUERIES, c.floats
         if plan is not None:
-            qt, fl = self._tables.get(name) or self._table(name, *self._consts[name])
+            qt, fl = self._tables.get(name) or self._table(name, c)
         ptrs = np.zeros((1, 4), dtype=np.int64)
         if write:
             ptrs[0, PTR_K], ptrs[0, PTR_V] = key.data_ptr(), value.data_ptr()
@@ -199,19 +232,18 @@ class VllmAudit(EngineAudit):
         self.run_compiled(self._layer_row(name, geom, query.dtype), ptrs, st, steps, qt, fl, False,
                           [self.index[name]], [g.name], geom.token_bytes)
 
-    def _table(self, name: str, rep: int, scale: float, softcap: float, tol: tuple[float, float],
-               sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def _table(self, name: str, c: _Layer) -> tuple[np.ndarray, np.ndarray]:
         """One layer's query table and floats (:mod:`kvcanary.audit.tables`) from the forward's queries
         of that layer and the layer's constants (the layer is row 0 of its own layer table)."""
         assert self.fa is not None
-        number = self.index[name]
-        picked = [i for i, q in enumerate(self.fa.queries) if q.layer == number]
+        picked = [i for i, q in enumerate(self.fa.queries) if q.layer == c.number]
         window = self.groups[name].plan.window
-        qt, sink_logits = query_table([self.fa.queries[i] for i in picked], lambda q: 0, lambda q: rep,
+        sinks = c.sink_logits
+        qt, sink_logits = query_table([self.fa.queries[i] for i in picked], lambda q: 0, lambda q: c.rep,
                                       lambda q: window,
                                       (lambda q: float(sinks[q.head])) if sinks is not None else (lambda q: None),
                                       4, picked)
-        return qt, floats([(scale, softcap, *tol)], sink_logits)
+        return qt, floats([(c.scale, c.softcap or 0.0, *c.tol)], sink_logits)
 
     def _layer_row(self, name: str, geom: KvGeometry, query_dtype: torch.dtype) -> np.ndarray:
         """The compiled loop's layer table of one layer (made again when its cache moved)."""

@@ -1,0 +1,112 @@
+"""The reserved slots' bytes as a snapshot: the fused guard's fast path.
+
+Every forward, the guard re-fingerprints each reserved slot (:mod:`kvcanary.guards`): on vLLM's CPU
+pools that is the whole null block of every layer, K read element by element. Nothing writes
+there, so the fused path first compares those bytes with a copy taken when the fingerprints were
+last taken: equal bytes give equal fingerprints, and only a change (rare: a fault) runs the
+per-slot check, which finds and records the changed slots as before, and then takes a new copy.
+The result is the per-slot check's, bit for bit; only its cost changes.
+
+:func:`regions` covers every byte the fingerprint of a reserved slot reads (per slot and source,
+the span from its first to its last byte, merged); a snapshot is used only where those spans hold
+at most twice the bytes the fingerprints read, so a reserved slot whose span crosses live KV never
+makes every forward compare and copy it for nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcanary.fused._core import (A_ADDR, A_PACK, A_PGS, A_PKS, A_PS, A_RUN0, A_RUNW, A_TKS, A_WIDTH, A_WORDS, JIT,
+                                  SourceTable, ld_i64, ld_u8, st_i64, st_u8)
+from kvcanary.fused.cache import njit
+
+R_ADDR, R_LEN, R_AT = range(3)  # a region: its address, its length, its offset in the snapshot
+NO_REGIONS = np.zeros((0, 3), dtype=np.int64)
+
+
+def _spans(table: SourceTable, slots: np.ndarray) -> np.ndarray:
+    """``[n * sources, 2]``: each slot's first byte and end byte in each source, as the slot's
+    fingerprint reads it (:func:`kvcanary.fused._core.fold_slot`)."""
+    out = []
+    src, runs = table.src, table.runs
+    for i in range(src.shape[0]):
+        s = src[i]
+        page, inpage = slots // s[A_PS], slots % s[A_PS]
+        base = s[A_ADDR] + page * s[A_PGS] + (inpage // s[A_PACK]) * s[A_PKS] + (inpage % s[A_PACK]) * s[A_TKS]
+        words = int(s[A_WORDS])
+        if s[A_WIDTH]:  # a narrow element per word, each at its own run offset
+            offs = runs[s[A_RUN0]: s[A_RUN0] + words]
+            lens = np.full(words, s[A_WIDTH], dtype=np.int64)
+        else:  # runs of A_RUNW 8-byte words, the last one shorter
+            rw = int(s[A_RUNW])
+            nruns = -(-words // rw)
+            offs = runs[s[A_RUN0]: s[A_RUN0] + nruns]
+            lens = np.full(nruns, 8 * rw, dtype=np.int64)
+            lens[-1] = 8 * (words - (nruns - 1) * rw)
+        if not words:
+            continue
+        lo, hi = int(offs.min()), int((offs + lens).max())
+        out.append(np.stack([base + lo, base + hi], axis=1))
+    return np.concatenate(out) if out else np.zeros((0, 2), dtype=np.int64)
+
+
+def regions(table: SourceTable, slots: np.ndarray, bytes_per_slot: int) -> np.ndarray:
+    """The snapshot's regions (``[R, 3]``: address, length, offset in the snapshot) covering every
+    byte the fingerprints of ``slots`` read, or none (:data:`NO_REGIONS`) where their spans would
+    hold more than twice those bytes."""
+    spans = _spans(table, np.asarray(slots, dtype=np.int64))
+    if not spans.shape[0] or not bytes_per_slot:
+        return NO_REGIONS
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    ends = np.maximum.accumulate(spans[:, 1])
+    starts_new = np.ones(spans.shape[0], dtype=bool)
+    starts_new[1:] = spans[1:, 0] > ends[:-1]
+    lo = spans[starts_new, 0]
+    hi = np.maximum.reduceat(spans[:, 1], np.nonzero(starts_new)[0])
+    lens = hi - lo
+    if int(lens.sum()) > 2 * len(slots) * bytes_per_slot:
+        return NO_REGIONS
+    at = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    return np.stack([lo, lens, at], axis=1).astype(np.int64)
+
+
+@njit(inline="always", **JIT)
+def same(regions, n, snap):  # type: ignore[no-untyped-def]
+    """Whether the ``n`` regions (at address ``regions``) hold the snapshot's bytes (at ``snap``)."""
+    for r in range(n):
+        a = ld_i64(regions + 24 * r + 8 * R_ADDR)
+        length = ld_i64(regions + 24 * r + 8 * R_LEN)
+        b = snap + ld_i64(regions + 24 * r + 8 * R_AT)
+        words = length // 8
+        for j in range(words):
+            if ld_i64(a + 8 * j) != ld_i64(b + 8 * j):
+                return False
+        for j in range(8 * words, length):
+            if ld_u8(a + j) != ld_u8(b + j):
+                return False
+    return True
+
+
+@njit(inline="always", **JIT)
+def take(regions, n, snap):  # type: ignore[no-untyped-def]
+    """Copy the ``n`` regions' bytes into the snapshot."""
+    for r in range(n):
+        a = ld_i64(regions + 24 * r + 8 * R_ADDR)
+        length = ld_i64(regions + 24 * r + 8 * R_LEN)
+        b = snap + ld_i64(regions + 24 * r + 8 * R_AT)
+        words = length // 8
+        for j in range(words):
+            st_i64(b + 8 * j, ld_i64(a + 8 * j))
+        for j in range(8 * words, length):
+            st_u8(b + j, ld_u8(a + j))
+
+
+def taken(regions_: np.ndarray) -> np.ndarray:
+    """A new snapshot of the regions' bytes (host side, when the guard's fingerprints are first taken)."""
+    import ctypes
+
+    snap = np.zeros(max(int(regions_[:, R_LEN].sum()), 1), dtype=np.uint8)
+    for addr, length, at in regions_.tolist():
+        ctypes.memmove(snap.ctypes.data + at, addr, length)
+    return snap
