@@ -36,8 +36,9 @@ repetitive prompt); the others a forward whose rows share cached blocks.
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -75,6 +76,19 @@ def install(name: str, at: int = 3, seed: int = 0) -> VllmFault:
 
     KvCanaryConnector.bind_connector_metadata = bind  # type: ignore[method-assign,assignment]
     return fault
+
+
+@contextmanager
+def injected(name: str, at: int = 3, seed: int = 0) -> Iterator[VllmFault]:
+    """:func:`install` for the length of a ``with`` block, so that one engine can run several faults
+    one after another: the connector's ``bind_connector_metadata`` is restored when the block ends."""
+    from kvcanary.engines.vllm.entry import KvCanaryConnector
+
+    orig = KvCanaryConnector.bind_connector_metadata
+    try:
+        yield install(name, at, seed)
+    finally:
+        KvCanaryConnector.bind_connector_metadata = orig  # type: ignore[method-assign]
 
 
 def _rows(md: Any, meta: Any, bs: int) -> list[tuple[str | None, int, list[int]]]:

@@ -195,7 +195,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
     if cfg.get("warmup"):
         generate(cfg["warmup"], seed + 1000)
-    canary = _canary() if kvc is not None else None
+    canary = process_canary() if kvc is not None else None
     before = canary.stats() if canary is not None else {}
     if cfg.get("abort"):
         outs, wall = _with_aborts(llm, prompts(cfg.get("requests", 12), seed, cfg.get("prefix", 64), shape=shape),
@@ -263,7 +263,7 @@ def _engine(cfg: dict[str, Any], kv_transfer_config: dict[str, Any] | None) -> A
                kv_transfer_config=kv_transfer_config, seed=0)
 
 
-def _canary() -> Any:
+def process_canary() -> Any:
     """This process's KvCanaryConnector (also when listed under a MultiConnector); None when the engine's
     worker is another process."""
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
