@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from kvcanary.config import CanaryConfig
-from kvcanary.demo.common import caused_by, coverage, pool_fits, setup_time, table
+from kvcanary.demo.common import caused_by, coverage, pool_fits, print_chat, setup_time, violation_report
 
 # the real model's demo: questions sharing one system prompt (kvcanary.real_model.SYSTEM_PROMPT)
 QUESTIONS = (
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace, config: CanaryConfig) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        _print(summary)
+        print_chat(summary)
     return 0 if ok else 1
 
 
@@ -155,7 +155,6 @@ def _faults(args: argparse.Namespace, config: CanaryConfig, model: Any, generate
     import logging
     import tempfile
 
-    from kvcanary import report
     from kvcanary.engines.transformers.entry import protect
     from kvcanary.faults.transformers_cb import CbFault
 
@@ -211,63 +210,4 @@ def _faults(args: argparse.Namespace, config: CanaryConfig, model: Any, generate
         quiet.setLevel(level)
     repaired: dict[str, Any] = {**totals, "served_only_clean_answers": all(
         not f["repair"]["served_other_text"] for f in found)}
-    page = os.path.splitext(logfile)[0] + ".html"
-    rs = report.summarize(report.read(logfile)) if os.path.exists(logfile) else report.summarize([])
-    with open(page, "w", encoding="utf-8") as fh:
-        fh.write(report.html_page(rs, logfile))
-    log = {"log": logfile, "html": page, "headline": report.headline(rs),
-           "command": f"kvcanary report {logfile} --html {page}"}
-    return found, repaired, log, ok
-
-
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}{'s' * (count != 1)}"
-
-
-def _short(text: str, limit: int = 160) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _print(summary: dict[str, Any]) -> None:
-    """The chat demo's text: each question with its answers, the cost, the table, then each fault with
-    its detection and the clean, served and repaired answers of the requests it hurt."""
-    print(f"{summary['model']} ({summary['dtype']}): {summary['requests']} questions sharing the system prompt "
-          f"{summary['system_prompt']!r}, greedy decoding, {summary['engine']}\n")
-    for a in summary["answers"]:
-        print(f"  Q: {a['question']}")
-        print(f"     without the canary: {a['without_canary']}")
-        print(f"     with the canary:    {a['with_canary']}" + ("" if a["identical"] else "   <-- DIFFERS"))
-    n, same = len(summary["answers"]), sum(a["identical"] for a in summary["answers"])
-    print(f"\nanswers with the canary identical to those without it: {'yes' if same == n else 'NO'} ({same} of {n})")
-    print(f"canary cost: {summary['canary_ms_per_forward']} ms of host time per forward of {summary['forward_ms']} ms "
-          f"({summary['canary_share_pct']}% of the run; {summary['forwards']} forwards), "
-          f"{summary['violations']} violations\n")
-    table([(k, v) for k, v in summary.items()
-            if k not in ("answers", "injected", "report", "repair_run", "system_prompt", "engine")])
-    for f in summary.get("injected", []):
-        print(f"\n  fault {f['fault']} at forward {f['injected_at_forward']}: {f['detail']}")
-        records = f" ({f['detections']} records)" if f["detections"] else ""
-        print(f"    detected: {f['first_detection'] or 'NO'}{records}")
-        r = f["repair"]
-        print(f"    log mode: {_n(f['harmful_tokens_served'], 'token')} sampled from corrupted KV served; repair mode: "
-              f"{_n(r['repairs'], 'repair')}, {_n(r['requests_failed'], 'request')} failed")
-        for row in f["requests"]:
-            mark = ("   (= clean)" if row["repair_equals_clean"] else "   (failed: no wrong text served)"
-                    if row["repair_failed"] else "   <-- NOT the clean answer")
-            print(f"    {row['request']}  Q: {row['question']}")
-            print(f"      clean:         {row['clean']}")
-            print(f"      log (served):  {row['log']}" + ("" if row["log_changed"] else "   (unchanged)"))
-            print(f"      repair:        {_short(row['repair'])}{mark}")
-        for q in f["changed_undetected"]:
-            print(f"    answer changed without a detection: {q}   <-- MISSED")
-        for q in r["served_other_text"]:
-            print(f"    repair served another answer to: {q}   <-- NOT the clean answer")
-    rr = summary.get("repair_run")
-    if rr:
-        print(f"\n  repair mode, all faults: {_n(rr['repairs'], 'repair')}, {_n(rr['requests_failed'], 'request')} "
-              f"failed; every answer served was the clean one: {'yes' if rr['served_only_clean_answers'] else 'NO'}")
-    rep = summary.get("report")
-    if isinstance(rep, dict):
-        print(f"\n  violation log of the injected run: {rep['headline']}\n  report: {rep['command']} "
-              f"(page written: {rep['html']})")
-
+    return found, repaired, violation_report(logfile), ok

@@ -85,13 +85,107 @@ def memory() -> int | None:
         return None
 
 
-def pool_fits(args: argparse.Namespace, slot_bytes: int, what: str) -> str | None:
-    """Why the demo's KV pool (``--blocks`` x block size slots of ``slot_bytes`` each, ``what`` says of
-    what) cannot be allocated here ("expected X, got Y"), or ``None``: said before anything is allocated."""
-    block = args.block_size if args.engine == "scripted" else 8  # the transformers demo's page size
+def pool_fits(args: argparse.Namespace, slot_bytes: int, what: str, block: int | None = None) -> str | None:
+    """Why the demo's KV pool (``--blocks`` x ``block`` slots of ``slot_bytes`` each, ``what`` says of
+    what) cannot be allocated here ("expected X, got Y"), or ``None``: said before anything is allocated.
+    ``block`` defaults to the scripted engine's ``--block-size`` and the transformers demo's page size, 8."""
+    if block is None:
+        block = args.block_size if args.engine == "scripted" else 8
     need, have = args.blocks * block * slot_bytes, memory()
     if have is None or 2 * need <= have:
         return None
     return (f"--blocks: expected a KV pool within half of this machine's {have / 2**30:.1f} GiB, got {args.blocks} "
             f"blocks x {block} slots x {slot_bytes} bytes ({what}) = {need / 2**30:.1f} GiB")
 
+
+
+def violation_report(logfile: str) -> dict[str, str]:
+    """The injected runs' violation log read back: its headline, an HTML page written beside it and
+    the command that writes the page again."""
+    from kvcanary import report
+
+    page = os.path.splitext(logfile)[0] + ".html"
+    rs = report.summarize(report.read(logfile)) if os.path.exists(logfile) else report.summarize([])
+    with open(page, "w", encoding="utf-8") as fh:
+        fh.write(report.html_page(rs, logfile))
+    return {"log": logfile, "html": page, "headline": report.headline(rs),
+            "command": f"kvcanary report {logfile} --html {page}"}
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def print_chat(summary: dict[str, Any]) -> None:
+    """The chat demos' text (transformers and vLLM): each question with its answers, the cost, the
+    table of figures, then each fault with its detection and the clean, served and repaired answers
+    of the requests it hurt. A question asked several times with the same answers is shown once."""
+    answers = summary["answers"]
+    asked: dict[str, list[dict[str, Any]]] = {}
+    for a in answers:
+        asked.setdefault(a["question"], []).append(a)
+    times = {len(v) for v in asked.values()}
+    each = f"each asked {max(times)} times" if len(times) == 1 else f"asked 1 to {max(times)} times each"
+    what = (f"{summary['requests']} questions" if times == {1} else
+            f"{summary['requests']} requests ({len(asked)} questions, {each})")
+    print(f"{summary['model']} ({summary['dtype']}): {what} sharing the system prompt {summary['system_prompt']!r}, "
+          f"greedy decoding, {summary['engine']}\n")
+    for question, group in asked.items():
+        same = all((a["without_canary"], a["with_canary"]) == (group[0]["without_canary"], group[0]["with_canary"])
+                   for a in group)
+        for a in group[:1] if same else group:
+            print(f"  Q: {question}" + (f"   (asked {len(group)} times, the same answers)" if same and len(group) > 1
+                                        else ""))
+            print(f"     without the canary: {a['without_canary']}")
+            print(f"     with the canary:    {a['with_canary']}" + ("" if a["identical"] else "   <-- DIFFERS"))
+    n, same_n = len(answers), sum(a["identical"] for a in answers)
+    print(f"\nanswers with the canary identical to those without it: {'yes' if same_n == n else 'NO'} "
+          f"({same_n} of {n})")
+    print(f"canary cost: {summary['canary_ms_per_forward']} ms of host time per forward of {summary['forward_ms']} ms "
+          f"({summary['canary_share_pct']}% of the run; {summary['forwards']} forwards), "
+          f"{summary['violations']} violations\n")
+    table([(k, v) for k, v in summary.items()
+           if not isinstance(v, (dict, list)) and k not in ("system_prompt", "engine")])
+    for f in summary.get("injected", []):
+        _print_fault(f)
+    rr = summary.get("repair_run")
+    if rr:
+        said = "yes" if rr["served_only_clean_answers"] else "NO"
+        if "untouched_changed" in rr:  # vLLM: the requests no detection named are counted apart
+            said = (f"{said} (to every request a detection named); {_n(rr['untouched_changed'], 'request')} no "
+                    "detection named answered otherwise than in the clean run, with every byte it read verified")
+        print(f"\n  repair mode, all faults: {_n(rr['repairs'], 'repair')}, {_n(rr['requests_failed'], 'request')} "
+              f"failed; every answer served was the clean one: {said}")
+    rep = summary.get("report")
+    if isinstance(rep, dict):
+        print(f"\n  violation log of the injected run: {rep['headline']}\n  report: {rep['command']} "
+              f"(page written: {rep['html']})")
+
+
+def _print_fault(f: dict[str, Any]) -> None:
+    print(f"\n  fault {f['fault']} at forward {f['injected_at_forward']}: {f['detail']}")
+    records = f" ({f['detections']} records)" if f["detections"] else ""
+    print(f"    detected: {f['first_detection'] or 'NO'}{records}")
+    r = f["repair"]
+    print(f"    log mode: {_n(f['harmful_tokens_served'], 'token')} sampled from corrupted KV served; repair mode: "
+          f"{_n(r['repairs'], 'repair')}, {_n(r['requests_failed'], 'request')} failed")
+    for row in f["requests"]:
+        mark = ("   (= clean)" if row["repair_equals_clean"] else "   (failed: no wrong text served)"
+                if row["repair_failed"] else "   <-- NOT the clean answer")
+        print(f"    {row['request']}  Q: {row['question']}")
+        print(f"      clean:         {row['clean']}")
+        print(f"      log (served):  {row['log']}" + ("" if row["log_changed"] else "   (unchanged)"))
+        print(f"      repair:        {_short(row['repair'])}{mark}")
+    for q in f["changed_undetected"]:
+        print(f"    answer changed without a detection: {q}   <-- MISSED")
+    for q in r["served_other_text"]:
+        print(f"    repair served another answer to: {q}   <-- NOT the clean answer")
+    for row in r.get("untouched_changed", []):  # vLLM: see kvcanary.demo.vllm
+        print(f"    repair run, a request no detection named: {row['request']}  Q: {row['question']}\n"
+              f"      clean: {row['clean']}\n      repair run: {row['repair']}   (no detection named it, with every "
+              f"byte it read verified: recomputing the hurt requests changed the batches it was computed in, and CPU "
+              f"matrix products are not batch-invariant)")
