@@ -155,11 +155,14 @@ def print_chat(summary: dict[str, Any]) -> None:
     rr = summary.get("repair_run")
     if rr:
         said = "yes" if rr["served_only_clean_answers"] else "NO"
+        head = (f"\n  repair mode, all faults: {_n(rr['repairs'], 'repair')}, {_n(rr['requests_failed'], 'request')} "
+                "failed; ")
         if "untouched_changed" in rr:  # vLLM: the requests no detection named are counted apart
-            said = (f"{said} (to every request a detection named); {_n(rr['untouched_changed'], 'request')} no "
-                    "detection named answered otherwise than in the clean run, with every byte it read verified")
-        print(f"\n  repair mode, all faults: {_n(rr['repairs'], 'repair')}, {_n(rr['requests_failed'], 'request')} "
-              f"failed; every answer served was the clean one: {said}")
+            print(f"{head}every request a detection named got its clean answer or an error: {said}; "
+                  f"{_n(rr['untouched_changed'], 'request')} no detection named answered otherwise than in the clean "
+                  "run (every byte it read verified)")
+        else:
+            print(f"{head}every answer served was the clean one: {said}")
     rep = summary.get("report")
     if isinstance(rep, dict):
         print(f"\n  violation log of the injected run: {rep['headline']}\n  report: {rep['command']} "
@@ -168,6 +171,8 @@ def print_chat(summary: dict[str, Any]) -> None:
 
 def _print_fault(f: dict[str, Any]) -> None:
     print(f"\n  fault {f['fault']} at forward {f['injected_at_forward']}: {f['detail']}")
+    if f.get("repair_detail"):  # vLLM: the repair engine's run found its target elsewhere
+        print(f"    in the repair run at forward {f['repair_injected_at_forward']}: {f['repair_detail']}")
     records = f" ({f['detections']} records)" if f["detections"] else ""
     print(f"    detected: {f['first_detection'] or 'NO'}{records}")
     r = f["repair"]
@@ -178,7 +183,8 @@ def _print_fault(f: dict[str, Any]) -> None:
                 if row["repair_failed"] else "   <-- NOT the clean answer")
         print(f"    {row['request']}  Q: {row['question']}")
         print(f"      clean:         {row['clean']}")
-        print(f"      log (served):  {row['log']}" + ("" if row["log_changed"] else "   (unchanged)"))
+        cut = f"   (cut at the {row['log_cut_at']}-token limit)" if row.get("log_cut_at") else ""
+        print(f"      log (served):  {row['log']}" + (cut if row["log_changed"] else "   (unchanged)"))
         print(f"      repair:        {_short(row['repair'])}{mark}")
     for q in f["changed_undetected"]:
         print(f"    answer changed without a detection: {q}   <-- MISSED")

@@ -203,40 +203,55 @@ def _judge(summary: dict[str, Any], faults: dict[str, Any], off: dict[str, Any],
     summary["every_byte_clean"] = ok
     found, totals = [], {"repairs": 0, "requests_failed": 0, "violations": 0, "internal_errors": 0}
     for name, lr, rr in zip(FAULTS, log[1:], fix[1:]):
-        at = lr["fault"]["step"]
-        early = [v for v in lr["violations"] if at is None or v["step"] < at]  # before the fault: false reports
-        hits = [v for v in lr["violations"] if at is not None and v["step"] >= at]
-        named = {v["request"] for v in hits + rr["violations"] if v["request"] is not None}
-        served, fixed = [text(t) for t in lr["tokens"]], [_answer(rr, i, text) for i in range(len(clean))]
-        failed = [f == "error" for f in rr["finish"]]
-        rows = [{"request": f"req_{i}", "question": questions[i], "clean": clean[i], "log": served[i],
-                 "repair": fixed[i], "log_changed": served[i] != clean[i], "repair_equals_clean": fixed[i] == clean[i],
-                 "repair_failed": failed[i]} for i in sorted(named)]
-        changed = [questions[i] for i in range(len(clean)) if i not in named and served[i] != clean[i]]
-        wrong = [questions[i] for i in sorted(named) if not failed[i] and fixed[i] != clean[i]]
-        untouched = [{"request": f"req_{i}", "question": questions[i], "clean": clean[i], "repair": fixed[i]}
-                     for i in range(len(clean)) if i not in named and not failed[i] and fixed[i] != clean[i]]
-        s = rr["stats"]
-        rep = {"repairs": s.get("repairs", 0), "requests_failed": s.get("requests_failed", 0),
-               "violations": s["violations"], "internal_errors": s["internal_errors"], "served_other_text": wrong,
-               "untouched_changed": untouched}
-        first = hits[0] if hits else None
-        found.append({"fault": name, "injected_at_forward": lr["fault"]["injected_at_forward"],
-                      "detail": lr["fault"]["detail"], "detected": bool(hits),
-                      "first_detection": f"{first['text']} (req_{first['request']})" if first else None,
-                      "detections": len(hits), "false_reports_before": len(early), "requests": rows,
-                      "harmful_tokens_served": lr["stats"].get("harmful_tokens", 0), "changed_undetected": changed,
-                      "repair_injected_same": lr["fault"] == rr["fault"], "repair": rep})
+        f, good = _one_fault(name, lr, rr, clean, questions, text)
+        found.append(f)
         for k in totals:
-            totals[k] += rep[k]
-        ok = ok and bool(hits) and not early and not changed and not wrong and s["internal_errors"] == 0 \
-            and lr["stats"]["internal_errors"] == 0 and s["violations"] > 0
+            totals[k] += f["repair"][k]
+        ok = ok and good
     summary["injected"] = found
     summary["repair_run"] = {**totals, "served_only_clean_answers": not any(f["repair"]["served_other_text"]
                                                                             for f in found),
                              "untouched_changed": sum(len(f["repair"]["untouched_changed"]) for f in found)}
     summary["report"] = violation_report(faults["logfile"])
     return ok
+
+
+def _one_fault(name: str, lr: dict[str, Any], rr: dict[str, Any], clean: list[str], questions: list[str],
+               text: Callable[[list[int]], str]) -> tuple[dict[str, Any], bool]:
+    """One fault's ``log`` run ``lr`` and ``repair`` run ``rr`` judged against the clean answers: its
+    summary entry, and whether it was detected, with no report before it, no answer changed without a
+    detection and every request a detection names served its clean answer or an error."""
+    at = lr["fault"]["step"]
+    early = [v for v in lr["violations"] if at is None or v["step"] < at]  # before the fault: false reports
+    hits = [v for v in lr["violations"] if at is not None and v["step"] >= at]
+    named = {v["request"] for v in hits + rr["violations"] if v["request"] is not None}
+    served, fixed = [text(t) for t in lr["tokens"]], [_answer(rr, i, text) for i in range(len(clean))]
+    failed = [f == "error" for f in rr["finish"]]
+    rows = [{"request": f"req_{i}", "question": questions[i], "clean": clean[i], "log": served[i], "repair": fixed[i],
+             "log_changed": served[i] != clean[i], "repair_equals_clean": fixed[i] == clean[i],
+             "repair_failed": failed[i], "log_cut_at": len(lr["tokens"][i]) if lr["finish"][i] == "length" else None}
+            for i in sorted(named)]
+    changed = [questions[i] for i in range(len(clean)) if i not in named and served[i] != clean[i]]
+    wrong = [questions[i] for i in sorted(named) if not failed[i] and fixed[i] != clean[i]]
+    # a request no detection named, every byte it read verified, answering otherwise: the batch's arithmetic
+    untouched = [{"request": f"req_{i}", "question": questions[i], "clean": clean[i], "repair": fixed[i]}
+                 for i in range(len(clean)) if i not in named and not failed[i] and fixed[i] != clean[i]]
+    s = rr["stats"]
+    rep = {"repairs": s.get("repairs", 0), "requests_failed": s.get("requests_failed", 0),
+           "violations": s["violations"], "internal_errors": s["internal_errors"], "served_other_text": wrong,
+           "untouched_changed": untouched}
+    first = hits[0] if hits else None
+    same = lr["fault"] == rr["fault"]
+    f = {"fault": name, "injected_at_forward": lr["fault"]["injected_at_forward"], "detail": lr["fault"]["detail"],
+         "detected": bool(hits), "first_detection": f"{first['text']} (req_{first['request']})" if first else None,
+         "detections": len(hits), "false_reports_before": len(early), "requests": rows,
+         "harmful_tokens_served": lr["stats"].get("harmful_tokens", 0), "changed_undetected": changed,
+         "repair_injected_same": same, "repair": rep}
+    if not same:  # the repair engine found the pool's free blocks in another order: its target is shown too
+        f.update(repair_detail=rr["fault"]["detail"], repair_injected_at_forward=rr["fault"]["injected_at_forward"])
+    good = (bool(hits) and not early and not changed and not wrong and s["violations"] > 0
+            and s["internal_errors"] == 0 and lr["stats"]["internal_errors"] == 0)
+    return f, good
 
 
 def _answer(run: dict[str, Any], i: int, text: Callable[[list[int]], str]) -> str:
