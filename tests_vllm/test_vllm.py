@@ -35,7 +35,7 @@ CLEAN = [
 @pytest.mark.parametrize("cfg", CLEAN, ids=["shared"])
 def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, cfg):
     base = engine(tiny_llama, **cfg)
-    run = engine(tiny_llama, canary=True, **cfg)
+    run = engine(tiny_llama, canary=True, count_signatures=True, **cfg)
     st = run["stats"]
     assert run["violations"] == [] and st["internal_errors"] == 0
     assert st["slots_verified"] > 0 and st["content_bytes_verified"] > 0 and st["slots_stamped"] > 0

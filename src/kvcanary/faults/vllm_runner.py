@@ -156,7 +156,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     is also at the top level), ``kv_cache`` (the engine's KV cache groups and blocks, in-process
     engines), ``generate_s`` (the timed generate call), ``tokens_generated``, ``threads`` (torch's
     intra-op threads after the run) and, under the canary of an in-process engine, ``stats`` and
-    ``violations`` (the first 200, with ``text``), and the injected fault's ``fault`` detail
+    ``violations`` (the first 200, with ``text``), with ``count_signatures`` the compiled-loop
+    signatures the run added to the warm-up's (``loop_signatures_added``), and the injected fault's ``fault`` detail
     (``step``: the canary step it landed in). A multiprocess engine
     (``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment) keeps its canaries and faults in its
     worker processes: read them from ``KVCANARY_VIOLATIONS_LOG`` and the metrics.
@@ -180,7 +181,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     events = vllm_events.watch() if events_file is None else {}
     seed = cfg.get("seed", 0)
     fault = faults_vllm.install(cfg["fault"], cfg.get("fault_at", 3), seed) if cfg.get("fault") else None
-    signatures = _signatures() if kvc is not None else None
+    signatures = _warm_signatures() if kvc is not None and cfg.get("count_signatures") else None
     llm = _engine(cfg, kvc)
     sp = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=cfg.get("temperature", 0.0),
                         n=cfg.get("n", 1), ignore_eos=True)
@@ -221,6 +222,18 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if fault is not None and canary is not None:
         out["fault"] = fault.detail
     return out
+
+
+def _warm_signatures() -> int | None:
+    """:func:`_signatures` of a fresh interpreter once the warm-up ran: what the canary's process
+    holds before its first forward. Counted in another process, because importing numba here before
+    an in-process engine starts breaks the start (vLLM 0.32's kernel-override scan reads ``vars()``
+    of every module attribute, and llvmlite 0.47's library object answers that with a function
+    wrapper instead of a dict)."""
+    code = "from kvcanary.faults.vllm_runner import _signatures\nprint(_signatures())"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    last = p.stdout.strip().splitlines()[-1:] or ["None"]
+    return None if p.returncode != 0 or last[0] == "None" else int(last[0])
 
 
 def _signatures() -> int | None:

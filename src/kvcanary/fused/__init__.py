@@ -97,8 +97,9 @@ def _warm_up() -> None:
     from kvcanary.fused import forward
     from kvcanary.fused._step import describe
 
-    # vLLM's metadata: int32 query starts, sequence lengths and block tables, int64 slot mapping
-    fill_tokens(i32(0, 1), i32(1), np.zeros((1, 1), dtype=np.int64), i64(0), i64(0))
+    # vLLM's metadata: int32 query starts, sequence lengths and block tables, int64 slot mapping (the
+    # token book's rows are matched with the sequence lengths as int64: engines/vllm/steps.py)
+    fill_tokens(i32(0, 1), i64(1), np.zeros((1, 1), dtype=np.int64), i64(0), i64(0))
     fill_new(i32(0, 1), i32(1), i64(0), np.ones(1, dtype=np.bool_), i64(0), i64(0), i64(0))
 
     cursor = torch.zeros(1, dtype=torch.int64)  # held: the loop writes through its address
