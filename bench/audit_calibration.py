@@ -48,7 +48,18 @@ every attention module's softmax scale by ``F`` (the engine and the audit both r
 stay clean) to measure both at that size; its file is
 ``audit_calibration_sharpen<F>_<commit>.json``.
 
+``--real`` measures the trained model's own logits instead: SmolLM2-135M-Instruct
+(:mod:`kvcanary.real_model`, 30 layers, 9 query heads over 3 KV heads of 64) in float32 and
+bfloat16, each with ``sdpa`` (fp32 logits on a CPU) and ``eager`` attention (transformers'
+``paged|eager``, which computes the logits in the model's dtype), prompted with real text
+(:func:`kvcanary.real_model.text_prompts`); the clean configurations are
+:func:`kvcanary.faults.cb_soak.draw_configs` of the real model, the faulty runs ask 12 questions
+under 3 shared system turns (``window_off_by_one`` needs a sliding window, which the model has
+not). ``--audit-queries`` audits more queries per forward (up to 4096: with 2160, every layer, row
+and head of an 8-request decode forward). Its file is ``audit_calibration_real_<commit>.json``.
+
     python bench/audit_calibration.py [--configs 24] [--seed 1] [--fault-seeds 2] [--quick] [--sharpen 100]
+    python bench/audit_calibration.py --real --configs 16 --fault-seeds 1 --audit-queries 2160
 
 Exit status 1 when a clean run has a violation or an internal error, or a fault run is missed.
 """
@@ -57,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -66,11 +78,13 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REAL_DTYPES = ("float32", "bfloat16")  # the dtypes kvcanary.real_model converts to
+IMPLEMENTATIONS = ("sdpa", "eager")  # the real model's attention in the --real runs
 AUDIT_QUERIES = 64
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -207,25 +221,50 @@ def audit_path(guard: Any) -> str:
 # ---- clean -------------------------------------------------------------------------------------
 
 
-def draw_dtypes(n: int, seed: int) -> list[str]:
-    """Each configuration's dtype: a shuffled cycle of the three (balanced), from its own stream so the
+def draw_dtypes(n: int, seed: int, names: Sequence[str] = tuple(DTYPES)) -> list[str]:
+    """Each configuration's dtype: a shuffled cycle of ``names`` (balanced), from its own stream so the
     configurations themselves are :func:`draw_configs`'s."""
-    names = [list(DTYPES)[k % len(DTYPES)] for k in range(n)]
-    random.Random(seed * 7919 + 13).shuffle(names)
-    return names
+    out = [names[k % len(names)] for k in range(n)]
+    random.Random(seed * 7919 + 13).shuffle(out)
+    return out
 
 
-def run_clean(cfg: Any, dtype: str, factor: float = 1.0) -> dict[str, Any]:
+@contextlib.contextmanager
+def real_model(dtype: str, impl: str) -> Iterator[tuple[Any, Any]]:
+    """The trained model (loaded once per process and dtype) with attention ``impl`` while the context
+    is open, and its tokenizer."""
+    from kvcanary.faults.cb_soak import REAL, CbConfig, build_model
+
+    model, tok = build_model(CbConfig(seed=0, arch=REAL, dtype=dtype))
+    was = model.config._attn_implementation
+    model.config._attn_implementation = impl
+    try:
+        yield model, tok
+    finally:
+        model.config._attn_implementation = was
+
+
+def run_clean(cfg: Any, dtype: str, factor: float = 1.0, impl: str | None = None,
+              audit_queries: int = AUDIT_QUERIES) -> dict[str, Any]:
+    """One clean configuration in ``dtype``: a tiny model (softmax scales times ``factor``), or the
+    real one (``cfg.arch`` the real model's) with attention ``impl``."""
     from kvcanary.config import CanaryConfig
     from kvcanary.engines.transformers.models import tiny_arch
-    from kvcanary.faults.cb_soak import session
+    from kvcanary.faults.cb_soak import REAL, session
 
     t0 = time.perf_counter()
-    model = sharpen(tiny_arch(cfg.arch, seed=cfg.seed % 1000, layers=cfg.layers).to(DTYPES[dtype]), factor)
     rec = Recorder(dtype)
-    with captured() as cap:
-        run = session(model, cfg, CanaryConfig(mode="log", content_budget_bytes=None, audit_queries=AUDIT_QUERIES),
-                      [rec])
+    config = CanaryConfig(mode="log", content_budget_bytes=None, audit_queries=audit_queries)
+    if cfg.arch == REAL:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+        with real_model(dtype, impl or "sdpa") as (model, tok), captured() as cap:
+            run = session(model, cfg, config, [rec], tok)
+            impl = str(model.config._attn_implementation)
+    else:
+        model = sharpen(tiny_arch(cfg.arch, seed=cfg.seed % 1000, layers=cfg.layers).to(DTYPES[dtype]), factor)
+        impl = str(model.config._attn_implementation)
+        with captured() as cap:
+            run = session(model, cfg, config, [rec])
     guard = run.guard
     st = guard.stats()
     auditor = guard.audit.auditor
@@ -239,7 +278,7 @@ def run_clean(cfg: Any, dtype: str, factor: float = 1.0) -> dict[str, Any]:
     over = [brief(q) for q in qs if q["err"] > q["tol"]]
     return {
         "config": asdict(cfg), "label": cfg.label(), "dtype": dtype, "arch": cfg.arch,
-        "attn_implementation": str(model.config._attn_implementation), "audit_path": audit_path(guard),
+        "attn_implementation": impl, "audit_path": audit_path(guard),
         "forwards": st["forwards"], "audit_queries": st.get("audit_queries", 0),
         "audit_forwards_skipped": st.get("audit_forwards_skipped", 0),
         "write_slots_checked": st.get("write_slots_checked", 0),
@@ -270,29 +309,38 @@ def affected(name: str, q: dict[str, Any], fault: Any) -> bool:
     return True  # heads_reversed, v_rescaled, scale_of_one: every query of the layer
 
 
-def run_faulty(fc: Any, dtype: str, seed: int, factor: float = 1.0) -> dict[str, Any]:
+def run_faulty(fc: Any, dtype: str, seed: int, factor: float = 1.0, impl: str | None = None,
+               audit_queries: int | None = None) -> dict[str, Any]:
     """:func:`kvcanary.faults.runner.run_transformers` with the audit on, on the class's model in
-    ``dtype``, recording every audited query."""
+    ``dtype`` (``impl``: on the real model with that attention), recording every audited query."""
     from kvcanary.config import CanaryConfig
     from kvcanary.engines.transformers import cb_configs, protect
     from kvcanary.faults.runner import CB_FAULTS, FULL_AUDIT, KERNEL_FAULTS, transformers_model
     from kvcanary.faults.transformers_cb import CbFault
+    from kvcanary.real_model import text_prompts
     from kvcanary.violations import Check
 
     t0 = time.perf_counter()
-    model = sharpen(transformers_model(fc).to(DTYPES[dtype]), factor)
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
-    prompts = [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))] for _ in range(20)]
-    gen, cb = cb_configs(max_new_tokens=10)
-    injector = {**CB_FAULTS, **KERNEL_FAULTS}[fc.name]
-    fault = CbFault(injector, at=3, seed=seed)
-    config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=True, audit_queries=FULL_AUDIT, audit_every=1)
-    rec = Recorder(dtype)
-    with captured() as cap, torch.inference_mode(), protect(model, config) as guard:
-        rec.attach(guard)
-        guard.hooks.append(fault)
-        model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    with contextlib.ExitStack() as stack:
+        if impl is None:
+            model = sharpen(transformers_model(fc).to(DTYPES[dtype]), factor)
+            prefixes = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
+            prompts = [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))]
+                       for _ in range(20)]
+        else:
+            model, tok = stack.enter_context(real_model(dtype, impl))
+            prompts = text_prompts(tok, 12, seed, 40)
+        gen, cb = cb_configs(max_new_tokens=10)
+        injector = {**CB_FAULTS, **KERNEL_FAULTS}[fc.name]
+        fault = CbFault(injector, at=3, seed=seed)
+        config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=True,
+                              audit_queries=audit_queries or FULL_AUDIT, audit_every=1)
+        rec = Recorder(dtype)
+        with captured() as cap, torch.inference_mode(), protect(model, config) as guard:
+            rec.attach(guard)
+            guard.hooks.append(fault)
+            model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
     st = guard.stats()
     at = fault.injected_at
     early = [guard.describe(v) for v in guard.violations if at is None or v.step < at]
@@ -307,7 +355,8 @@ def run_faulty(fc: Any, dtype: str, seed: int, factor: float = 1.0) -> dict[str,
     top = max(aff, key=lambda q: q["ratio"], default=None)
     ms = [q["m"] for q in aff if q["m"] is not None]
     return {
-        "fault": fc.name, "injector": injector, "dtype": dtype, "seed": seed, "injected_at": at,
+        "fault": fc.name, "injector": injector, "dtype": dtype, "attn_implementation": impl, "seed": seed,
+        "injected_at": at,
         "audit_path": audit_path(guard),
         "landed_at": fault.landed_at, "detail": {k: v for k, v in fault.detail.items() if k != "watch_block"},
         "detected": bool(hits), "violations": len(hits), "violation_ratio": summary(hit_ratio),
@@ -363,15 +412,24 @@ def main() -> int:
     ap.add_argument("--no-faults", action="store_true", help="clean configurations only")
     ap.add_argument("--sharpen", type=float, default=1.0,
                     help="multiply every attention's softmax scale by this (logits of trained-model size: ~100)")
+    ap.add_argument("--real", action="store_true", help="the trained model (SmolLM2-135M-Instruct), fp32 and bf16, "
+                    "sdpa and eager attention, instead of the tiny random-weight ones")
+    ap.add_argument("--audit-queries", type=int, default=AUDIT_QUERIES,
+                    help=f"audited queries per forward (default {AUDIT_QUERIES}; at most 4096)")
     args = ap.parse_args()
     if args.quick:
         args.configs, args.fault_seeds = 4, 1
+    if args.real and args.sharpen != 1:
+        ap.error("--sharpen stands in for trained logits: not with --real")
     torch.set_num_threads(1)
 
     from kvcanary.audit.reference import TOLERANCE
     from kvcanary.faults.catalog import BY_NAME
-    from kvcanary.faults.cb_soak import draw_configs
-    from kvcanary.faults.runner import KERNEL_FAULTS
+    from kvcanary.faults.cb_soak import MODELS, REAL, draw_configs
+    from kvcanary.faults.runner import KERNEL_FAULTS, SLIDING_FAULTS
+
+    used = REAL_DTYPES if args.real else tuple(DTYPES)
+    impls: tuple[str | None, ...] = IMPLEMENTATIONS if args.real else (None,)
 
     rev = commit()
     dirty = src_changes()
@@ -379,13 +437,16 @@ def main() -> int:
         print(f"note: src/ differs from {rev}: {', '.join(dirty)}", flush=True)
     t_start = time.perf_counter()
     tolerances = {name: TOLERANCE[dt] for name, dt in DTYPES.items()}
-    print(f"audit calibration at {rev}: {args.configs} clean configurations (seed {args.seed}), "
-          f"{args.fault_seeds} fault seed(s), sharpen {args.sharpen:g}; tolerances (base, slope) {tolerances}",
+    print(f"audit calibration at {rev}: {args.configs} clean configurations (seed {args.seed}) of "
+          f"{'the real model' if args.real else 'the tiny models'}, {args.fault_seeds} fault seed(s), sharpen "
+          f"{args.sharpen:g}, {args.audit_queries} audited queries per forward; tolerances (base, slope) {tolerances}",
           flush=True)
 
-    # clean
-    configs = draw_configs(args.configs, args.seed)
-    dtypes = draw_dtypes(args.configs, args.seed)
+    # clean: the tiny models alone draw what they drew before the real model joined the soak's models
+    configs = draw_configs(args.configs, args.seed, [REAL] if args.real else [m for m in MODELS if m != REAL])
+    regimes = draw_dtypes(args.configs, args.seed, [f"{d}/{i}" for i in impls for d in used])
+    dtypes = [r.split("/")[0] for r in regimes]
+    impl_of = [None if r.endswith("/None") else r.split("/")[1] for r in regimes]
     clean: list[dict[str, Any]] = []
     errs_by: dict[str, list[float]] = {d: [] for d in DTYPES}
     ratios_by: dict[str, list[float]] = {d: [] for d in DTYPES}
@@ -395,7 +456,7 @@ def main() -> int:
     m_max: dict[str, float | None] = {d: None for d in DTYPES}
     for k, (cfg, dtype) in enumerate(zip(configs, dtypes)):
         with contextlib.redirect_stdout(sys.stderr):
-            res = run_clean(cfg, dtype, args.sharpen)
+            res = run_clean(cfg, dtype, args.sharpen, impl_of[k], args.audit_queries)
         errs, ratios, top = res.pop("_errors"), res.pop("_ratios"), res.pop("_top")
         errs_by[dtype] += errs
         ratios_by[dtype] += ratios
@@ -425,29 +486,31 @@ def main() -> int:
 
     # faulty
     faulty: list[dict[str, Any]] = []
-    classes = [name for name in KERNEL_FAULTS if name != "write_lands_zeros"]
+    classes = [name for name in KERNEL_FAULTS if name != "write_lands_zeros"
+               and not (args.real and name in SLIDING_FAULTS)]  # the real model has no window
     if not args.no_faults:
-        total = len(classes) * len(DTYPES) * args.fault_seeds
+        total = len(classes) * len(used) * len(impls) * args.fault_seeds
         n = 0
         for name in classes:
-            for dtype in DTYPES:
-                for seed in range(args.fault_seeds):
-                    n += 1
-                    with contextlib.redirect_stdout(sys.stderr):
-                        res = run_faulty(BY_NAME[name], dtype, seed, args.sharpen)
-                    faulty.append(res)
-                    notes = ("; FALSE POSITIVE before injection" if res["false_positives_before_injection"] else "") \
-                        + (f"; {res['internal_errors']} INTERNAL ERROR(S)" if res["internal_errors"] else "")
-                    print(f"[fault {n}/{total}] {dtype:8s} {name} seed={seed}: injected at forward "
-                          f"{res['injected_at']}, {'detected' if res['detected'] else 'MISSED'} "
-                          f"({res['violations']} violations, min error/tol {fmt(res['violation_ratio']['min'])}); "
-                          f"{res['affected_queries']} affected queries: error/tol max "
-                          f"{fmt(res['affected_ratio']['max'])}, median {fmt(res['affected_ratio']['p50'])}, "
-                          f"{res['affected_above_tolerance']} above 1{notes} ({res['seconds']:.1f} s)", flush=True)
+            for dtype, impl, seed in ((d, i, s) for d in used for i in impls for s in range(args.fault_seeds)):
+                n += 1
+                with contextlib.redirect_stdout(sys.stderr):
+                    res = run_faulty(BY_NAME[name], dtype, seed, args.sharpen, impl,
+                                     args.audit_queries if args.real else None)
+                faulty.append(res)
+                notes = ("; FALSE POSITIVE before injection" if res["false_positives_before_injection"] else "") \
+                    + (f"; {res['internal_errors']} INTERNAL ERROR(S)" if res["internal_errors"] else "")
+                print(f"[fault {n}/{total}] {dtype:8s} {impl or ''} {name} seed={seed}: injected at forward "
+                      f"{res['injected_at']}, {'detected' if res['detected'] else 'MISSED'} "
+                      f"({res['violations']} violations, min error/tol {fmt(res['violation_ratio']['min'])}); "
+                      f"{res['affected_queries']} affected queries: error/tol max "
+                      f"{fmt(res['affected_ratio']['max'])}, median {fmt(res['affected_ratio']['p50'])}, "
+                      f"{res['affected_above_tolerance']} above 1{notes} ({res['seconds']:.1f} s)", flush=True)
 
     # summary
     report: dict[str, Any] = {"commit": rev, "src_changes": src_changes(), "seed": args.seed, "configs": args.configs,
-                              "fault_seeds": args.fault_seeds, "sharpen": args.sharpen, "audit_queries": AUDIT_QUERIES,
+                              "fault_seeds": args.fault_seeds, "sharpen": args.sharpen,
+                              "audit_queries": args.audit_queries, "real": args.real,
                               "torch": torch.__version__, "tolerances_base_slope": tolerances, "dtypes": {}}
     try:
         import transformers
@@ -459,7 +522,7 @@ def main() -> int:
           f"{'ratio max':>9s} {'margin':>7s} {'m max':>7s} {'viol':>5s} {'int.err':>7s}  per-arch max ratio; "
           "per-implementation max ratio")
     failures: list[str] = []
-    for d in DTYPES:
+    for d in used:
         s, r = summary(errs_by[d]), summary(ratios_by[d])
         rows = [x for x in clean if x["dtype"] == d]
         viol = sum(x["violations"] for x in rows)
@@ -484,7 +547,7 @@ def main() -> int:
         print(f"{'class':22s} {'dtype':9s} {'detected':>9s} {'viol':>5s} {'min run max':>11s} {'aff':>5s} "
               f"{'aff min':>9s} {'aff med':>9s} {'aff>tol':>10s}  weakest run's most visible query")
         for name in classes:
-            for d in DTYPES:
+            for d in used:
                 runs = [x for x in faulty if x["fault"] == name and x["dtype"] == d]
                 if not runs:
                     continue
@@ -505,6 +568,10 @@ def main() -> int:
                        "false_positives_before_injection": sum(bool(x["false_positives_before_injection"])
                                                                for x in runs),
                        "internal_errors": sum(x["internal_errors"] for x in runs)}
+                if args.real:  # the weakest run's most visible query per attention implementation
+                    row["per_implementation_min_run_max_ratio"] = {
+                        i: min((x["affected_ratio"]["max"] or 0.0 for x in runs if x["attn_implementation"] == i),
+                               default=None) for i in IMPLEMENTATIONS}
                 if det < len(runs):
                     missed = [x["seed"] for x in runs if not x["detected"]]
                     failures.append(f"{name} {d}: missed in seed(s) {missed}")
@@ -517,7 +584,7 @@ def main() -> int:
                       f"{fmt(row['affected_median_ratio_of_runs']):>9s} {f'{above}/{aff}':>10s}  "
                       f"{weakest['most_visible_query']}")
         print("\n== margins (per dtype) ==")
-        for d in DTYPES:
+        for d in used:
             c = report["dtypes"][d]["clean"]
             rows = report["dtypes"][d].get("faulty", {})
             thr = {n: x["min_run_max_ratio"] for n, x in rows.items() if x["min_run_max_ratio"] is not None}
@@ -536,7 +603,7 @@ def main() -> int:
     report["clean_runs"] = clean
     report["faulty_runs"] = faulty
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
-    tag = f"sharpen{args.sharpen:g}_" if args.sharpen != 1 else ""
+    tag = "real_" if args.real else f"sharpen{args.sharpen:g}_" if args.sharpen != 1 else ""
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"audit_calibration_{tag}{rev}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")

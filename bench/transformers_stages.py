@@ -78,7 +78,7 @@ def main() -> None:
         timed(owner, attr, stage)
     if ARGS.model == "real":
         from kvcanary import real_model
-        from kvcanary.demo.chat import QUESTIONS
+        from kvcanary.real_model import QUESTIONS
 
         model, tok = real_model.load("bfloat16")
         ps = [real_model.chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(16)]

@@ -70,7 +70,7 @@ def real_workload(args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
     from transformers import AutoTokenizer
 
     from kvcanary import real_model
-    from kvcanary.demo.chat import QUESTIONS
+    from kvcanary.real_model import QUESTIONS
 
     path = real_model.target_dir("bfloat16")
     if not real_model.is_converted(path):

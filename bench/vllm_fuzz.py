@@ -1,7 +1,8 @@
 """Randomized clean fuzz of vLLM's CPU build under the canary in raise mode (kvcanary.faults.vllm_fuzz).
 
-Each configuration crosses an architecture (Llama, Qwen3, Mistral with a window on every layer,
-Gemma2, Gemma3 and GPT-OSS with sliding and full KV cache groups), fp32 or bf16, a head size (80
+Each configuration crosses a model (tiny random-weight Llama, Qwen3, Mistral with a window on every
+layer, Gemma2, Gemma3 and GPT-OSS with sliding and full KV cache groups, or the trained
+SmolLM2-135M-Instruct, ``smollm2``, prompted with real text), fp32 or bf16, a head size (80
 and 112 select the vec16 kernels), block size 32/64/128, prefix caching with shared prefixes on and
 off block boundaries, chunked prefill, a pool small enough to preempt, parallel sampling, ngram
 speculative decoding, tensor parallel 2, aborts, max_tokens 1, and every read byte verified in part
@@ -15,6 +16,10 @@ stdout. Exit status 1 when any configuration failed. Run it in .venv-vllm (scrip
     .venv-vllm/bin/python bench/vllm_fuzz.py [--configs 150] [--seed 1] [--out results.jsonl]
     .venv-vllm/bin/python bench/vllm_fuzz.py --seed 1 --only 7      # rerun the 8th configuration
     .venv-vllm/bin/python bench/vllm_fuzz.py --config '{"arch": "gemma3", "spec": 3}'
+    .venv-vllm/bin/python bench/vllm_fuzz.py --archs smollm2 --configs 8   # the trained model only
+
+The trained model is converted once by an interpreter with kvcanary's ``real`` extra (vLLM's
+environment has no ``gguf``): ``KVCANARY_REAL_PYTHON``, else the checkout's ``.venv/bin/python``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from kvcanary.faults.vllm_fuzz import FuzzConfig, draw, run_config
+from kvcanary.faults.vllm_fuzz import ARCHS, FuzzConfig, draw, run_config
 
 
 def main() -> int:
@@ -37,9 +42,15 @@ def main() -> int:
     ap.add_argument("--only", type=int, help="run only the configuration of this index in the seed's draw")
     ap.add_argument("--config", help="run one configuration given as the JSON of FuzzConfig's fields")
     ap.add_argument("--out", help="also append each configuration's JSON line to this file")
+    ap.add_argument("--archs", default=",".join(ARCHS),
+                    help=f"comma-separated models to draw from (default all: {','.join(ARCHS)})")
     args = ap.parse_args()
+    archs = tuple(args.archs.split(","))
+    if set(archs) - set(ARCHS):
+        ap.error(f"--archs: expected names of {list(ARCHS)}, got {sorted(set(archs) - set(ARCHS))}")
     rng = random.Random(args.seed)
-    drawn = [draw(rng, args.seed * 1000 + i) for i in range(args.configs if args.only is None else args.only + 1)]
+    drawn = [draw(rng, args.seed * 1000 + i, archs)
+             for i in range(args.configs if args.only is None else args.only + 1)]
     configs = drawn[args.only:] if args.only is not None else drawn
     if args.config is not None:
         configs = [FuzzConfig(**json.loads(args.config))]
@@ -67,7 +78,7 @@ def main() -> int:
 def summary(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     """Totals over every configuration, and how many crossed each feature."""
     keys = ("forwards", "slots_verified", "content_slots_verified", "drafts", "drafts_accepted", "drafts_rejected",
-            "preemptions", "window_freed_blocks", "window_reused_blocks", "violations", "internal_errors")
+            "preemptions", "window_freed_blocks", "window_reused_blocks", "violations", "internal_errors", "audit_queries")
     cfgs = [r["cfg"] for r in results]
     return {
         "configs": len(results), "failed": sum(not r["ok"] for r in results), "wall_s": round(wall),

@@ -11,7 +11,7 @@ import pytest
 from test_real_model import converted_cache
 
 from kvcanary.cli import main
-from kvcanary.demo.chat import QUESTIONS
+from kvcanary.real_model import QUESTIONS
 
 
 @pytest.fixture

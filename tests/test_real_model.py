@@ -190,3 +190,38 @@ def test_france_is_answered_with_paris_through_continuous_batching_with_and_with
     assert out == base  # the canary changes no token
     assert st["violations"] == 0 and st["internal_errors"] == 0 and not guard.violations
     assert st["slots_verified"] > 0 and st["slots_stamped"] >= sum(map(len, prompts))
+
+
+def test_text_prompts_share_their_heads_and_end_where_the_answer_starts(cache):
+    import transformers
+
+    from kvcanary.errors import ConfigError
+
+    tok = transformers.AutoTokenizer.from_pretrained(real_model.model_dir("bfloat16", say=None))
+    ps = real_model.text_prompts(tok, 12, seed=3, prefix=40, heads=2)
+    assert ps == real_model.text_prompts(tok, 12, seed=3, prefix=40, heads=2)
+    assert len({tuple(p[:40]) for p in ps}) == 2  # two heads of 40 tokens, each a system turn of real text
+    for p in ps:
+        text = tok.decode(p)
+        assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert sum(f"<|im_start|>user\n{q}<|im_end|>" in text for q in real_model.QUESTIONS) == 1
+    assert all(len(p) > 300 for p in real_model.text_prompts(tok, 2, 0, 300))  # past a passage: it repeats
+    assert all(tok.decode(p).startswith("<|im_start|>user\n") for p in real_model.text_prompts(tok, 3, 0, 0))
+    with pytest.raises(ConfigError, match="heads: expected 1 to 3, got 4"):
+        real_model.text_prompts(tok, 1, 0, 8, heads=4)
+
+
+def test_another_interpreter_converts_what_is_missing_and_only_that(cache, tmp_path):
+    # vLLM's environment has no gguf: another interpreter converts, with these sources on its path
+    f32, b16 = "SmolLM2-135M-Instruct-float32", "SmolLM2-135M-Instruct-bfloat16"
+    assert real_model.model_dir_with("/nonexistent/python", "float32", root=cache, say=None) == str(
+        Path(cache, "models", f32))  # already converted: nothing runs
+    with pytest.raises(UnsupportedError, match="does not run"):
+        real_model.model_dir_with(str(tmp_path / "no-python"), "bfloat16", root=str(tmp_path), say=None)
+    root = tmp_path / "root"
+    (root / "models").mkdir(parents=True)
+    os.symlink(Path(cache, "models", f32), root / "models" / f32)  # bfloat16 is then made from it in seconds
+    lines: list[str] = []
+    out = real_model.model_dir_with(sys.executable, "bfloat16", root=str(root), say=lines.append)
+    assert out == str(root / "models" / b16) and real_model.is_converted(out)
+    assert any(line.startswith("converting SmolLM2-135M-Instruct to bfloat16") for line in lines), lines

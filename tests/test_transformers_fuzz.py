@@ -2,8 +2,9 @@
 crossed configurations (every architecture, every engine feature) gives zero violations, zero
 internal errors, no failed request, no exception and the same tokens as without the canary; each
 configuration proves it exercised what it names (forks copied blocks, requests were offloaded and
-restored, soft reset, served from a warm prefix cache, prefilled in chunks). The long randomized
-run is bench/transformers_fuzz.py."""
+restored, soft reset, served from a warm prefix cache, prefilled in chunks). One crossing runs on the
+trained model (SmolLM2-135M-Instruct in bfloat16, real text prompts). The long randomized run is
+bench/transformers_fuzz.py."""
 
 import logging
 import random
@@ -11,8 +12,8 @@ import random
 import pytest
 
 from kvcanary.engines.transformers.models import ARCHS, full_layers, tiny_arch
-from kvcanary.faults.cb_soak import (MEMORY, CbConfig, count_events, cpu_offload_shim, draw_configs, failure, prompts,
-                                     random_cb_config, run_cb_config, session, tokens)
+from kvcanary.faults.cb_soak import (MEMORY, MODELS, REAL, CbConfig, count_events, cpu_offload_shim, draw_configs,
+                                     failure, prompts, random_cb_config, run_cb_config, session, tokens)
 
 
 def C(seed, arch, **kw):
@@ -77,6 +78,25 @@ def test_crossed_configuration_is_clean(cfg, exercised):
         assert res["slots_scrubbed"] > 0  # fork copies and restored blocks were verified where they landed
 
 
+def test_the_trained_model_crossing_is_clean(monkeypatch):
+    # trained attention (sharp, sink-heavy logits over real text) through 30 layers in bfloat16: the
+    # read audit on every forward, every read byte verified, a warm manager, a tight pool whose
+    # victims go to the CPU tier and come back (their blocks verified where they land), prefix-cache
+    # evictions and hits, chunked prefill
+    from test_real_model import converted_cache
+
+    monkeypatch.setenv("KVCANARY_CACHE_DIR", converted_cache())
+    cfg = C(1, REAL, requests=8, prefix=24, prefixes=2, max_new_tokens=8, memory="offload", warm=True,
+            max_batch_tokens=48)
+    assert cfg.layers == 30 and cfg.model_dtype == "bfloat16" and "smollm2 bf16 L30" in cfg.label()
+    res = run_cb_config(cfg)
+    assert res["ok"], failure(res)
+    assert res["outputs_identical"] is True and res["content_bytes"] > 0 and res["slots_scrubbed"] > 0
+    missing = {e for e in ("offloaded", "restored", "cache_evictions", "prefix_hit_tokens", "prefill_chunks")
+               if res["events"][e] == 0}
+    assert not missing, res["events"]
+
+
 def test_ci_list_covers_every_architecture_and_feature_crossed():
     cfgs = [p.values[0] for p in CI]
     assert {c.arch for c in cfgs} == set(ARCHS)
@@ -118,7 +138,12 @@ def test_a_clean_harness_still_sees_an_injected_fault():
 def test_random_configurations_are_seeded_and_cover_the_space():
     assert draw_configs(5, seed=3) == draw_configs(5, seed=3)
     cfgs = [random_cb_config(random.Random(k)) for k in range(300)]
-    assert {c.arch for c in cfgs} == set(ARCHS) and {c.memory for c in cfgs} == set(MEMORY)
+    assert {c.arch for c in cfgs} == set(MODELS) == set(ARCHS) | {REAL} and {c.memory for c in cfgs} == set(MEMORY)
+    real = [c for c in cfgs if c.arch == REAL]
+    assert all(c.layers == 30 for c in real) and {c.model_dtype for c in real} == {"bfloat16", "float32"}
+    # the tiny models alone draw what they drew before the real model joined (earlier seeds rerun)
+    assert [c.label() for c in draw_configs(2, seed=4, models=sorted(ARCHS))] == [
+        "seed=4000 gemma3 L2 page=8 sample tight prefix=40x1", "seed=4001 llama L4 page=8 sample prefix=24x1 chunk=48"]
     assert {c.forks for c in cfgs} == {1, 2, 3} and all(c.sample for c in cfgs if c.forks > 1)
     assert any(c.warm for c in cfgs) and any(c.max_batch_tokens < 32 for c in cfgs)
     warm, measured = prompts(cfgs[0])

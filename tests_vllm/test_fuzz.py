@@ -1,11 +1,13 @@
 """A few fixed crossings of the randomized vLLM clean fuzz (bench/vllm_fuzz.py runs the long draw):
 each runs without the canary (twice where vLLM is not deterministic) and with it in raise mode, and
 must show zero violations, zero internal errors, the same KV cache groups and blocks, the same
-greedy tokens where vLLM is deterministic, and the engine events it claims."""
+greedy tokens where vLLM is deterministic, and the engine events it claims. One crossing runs on the
+trained model (SmolLM2-135M-Instruct in bf16, real text prompts; converted once by the checkout's
+.venv interpreter, or KVCANARY_REAL_PYTHON's, where kvcanary's cache does not hold it yet)."""
 
 import pytest
 
-from kvcanary.faults.vllm_fuzz import FuzzConfig, pool_for_preemption, run_config
+from kvcanary.faults.vllm_fuzz import REAL, FuzzConfig, pool_for_preemption, run_config
 
 CROSSINGS = [
     # sliding + full groups, bf16, vec16 kernels, a prefix off the block boundary, chunked prefill,
@@ -16,6 +18,10 @@ CROSSINGS = [
     # full attention, block size 128, parallel sampling, aborts, every read byte verified, no prefix cache
     FuzzConfig(arch="qwen3", head_dim=112, block_size=128, prefix=128, prefix_caching=False, n=2, abort=4,
                requests=8, max_tokens=48, every_byte=True, seed=12),
+    # the trained model: 30 layers of trained attention over real text in bf16, a prefix off the block
+    # boundary, chunked prefill, every read byte verified, the read audit on every forward
+    FuzzConfig(arch=REAL, dtype="bfloat16", head_dim=64, block_size=32, prefix=48, max_batched=48, requests=8,
+               max_tokens=32, every_byte=True, audit=64, seed=21),
 ]
 # (tensor parallel 2 runs in test_vllm.py with a fault in each rank, and across the features in the long
 # draw of bench/vllm_fuzz.py: its three engine starts of two workers each would double this file's time)
@@ -26,3 +32,5 @@ def test_fixed_crossing_verifies_clean_and_changes_nothing(cfg, tmp_path):
     res = run_config(cfg, str(tmp_path))
     assert res["ok"], res["failures"]
     assert res["slots_verified"] > 0 and res["forwards"] > 0
+    if cfg.audit:  # every forward audited: the trained model's attention outputs checked against the cache
+        assert res["audit_queries"] >= cfg.audit * res["forwards"] // 2, res

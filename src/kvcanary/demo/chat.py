@@ -12,18 +12,7 @@ from typing import Any, Callable
 
 from kvcanary.config import CanaryConfig
 from kvcanary.demo.common import caused_by, coverage, pool_fits, print_chat, setup_time, violation_report
-
-# the real model's demo: questions sharing one system prompt (kvcanary.real_model.SYSTEM_PROMPT)
-QUESTIONS = (
-    "What is the capital of France?",
-    "What is the capital of Japan?",
-    "What is the chemical symbol for gold?",
-    "What is the opposite of hot?",
-    "How many legs does a spider have?",
-    "What language is spoken in Brazil?",
-    "What is the boiling point of water in Celsius?",
-    "Who wrote Hamlet?",
-)
+from kvcanary.real_model import QUESTIONS  # the questions share one system prompt (SYSTEM_PROMPT)
 
 
 def run(args: argparse.Namespace, config: CanaryConfig) -> int:

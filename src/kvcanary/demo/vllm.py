@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from kvcanary import real_model
 from kvcanary.config import CanaryConfig
-from kvcanary.demo.chat import QUESTIONS
+from kvcanary.real_model import QUESTIONS
 from kvcanary.demo.common import coverage, pool_fits, print_chat, violation_report
 
 BLOCK = 32  # the demo engine's block size (vLLM's CPU attention takes multiples of 32)

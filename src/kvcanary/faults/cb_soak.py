@@ -1,8 +1,10 @@
 """A randomized clean soak of transformers continuous batching under the canary in raise mode.
 
-Each configuration crosses the engine's features: an architecture of
-:data:`kvcanary.engines.transformers.models.ARCHS` (full attention, all-sliding, hybrid sliding + full groups,
-eager and sdpa attention, a mixture of experts), forks (``num_return_sequences`` 1-3, sampled),
+Each configuration crosses the engine's features: a model (:data:`MODELS`: a tiny random-weight
+architecture of :data:`kvcanary.engines.transformers.models.ARCHS`, full attention, all-sliding,
+hybrid sliding + full groups, eager and sdpa attention, a mixture of experts; or the trained
+SmolLM2-135M-Instruct of :mod:`kvcanary.real_model`, :data:`REAL`, in bfloat16 unless the
+configuration says float32, prompted with real text through its chat template), forks (``num_return_sequences`` 1-3, sampled),
 sampling, tight memory (evictions and soft resets), CPU offloading, a warm persistent manager whose
 prefix cache already holds blocks written before protection, shared-prefix prompts and chunked
 prefill. :func:`run_cb_config` runs one configuration once without and once with
@@ -30,6 +32,7 @@ reproduce itself the comparison is reported as ``None`` (not comparable), never 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -41,6 +44,11 @@ import torch
 
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.transformers.models import ARCHS, WINDOW, cb_configs, full_layers, tiny_arch
+
+REAL = "smollm2"  # the trained model (kvcanary.real_model), full attention on all of its 30 layers
+REAL_LAYERS = 30
+MODELS = (*sorted(ARCHS), REAL)  # what a configuration draws from
+DTYPES = ("float32", "bfloat16")
 
 MEMORY = ("ample", "tight", "offload")  # offload: tight memory with a CPU tier
 TIGHT_TOKENS = 112  # KV tokens each full-attention layer of a tight pool holds: one or two requests
@@ -123,8 +131,8 @@ class CbConfig:
     """One crossed configuration of the soak (every field is drawn by :func:`random_cb_config`)."""
 
     seed: int
-    arch: str = "llama"
-    layers: int = 2
+    arch: str = "llama"  # one of MODELS
+    layers: int = 2  # the real model's own (30) whatever is given
     requests: int = 8
     prefix: int = 24  # length of the shared prefixes (0: unrelated prompts)
     prefixes: int = 3
@@ -135,10 +143,15 @@ class CbConfig:
     warm: bool = False  # a persistent manager served an unprotected session first
     page_size: int = 8
     max_batch_tokens: int = 128  # below the prompt lengths: chunked prefill
+    dtype: str | None = None  # None: float32 for the tiny models, bfloat16 for the real one
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch: expected one of {sorted(ARCHS)}, got {self.arch!r}")
+        if self.arch not in MODELS:
+            raise ValueError(f"arch: expected one of {list(MODELS)}, got {self.arch!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected None or one of {DTYPES}, got {self.dtype!r}")
+        if self.arch == REAL:
+            object.__setattr__(self, "layers", REAL_LAYERS)
         if self.memory not in MEMORY:
             raise ValueError(f"memory: expected one of {MEMORY}, got {self.memory!r}")
         if self.forks > 1 and not self.sample:
@@ -149,31 +162,63 @@ class CbConfig:
                  self.memory if self.memory != "ample" else "", "warm" if self.warm else "",
                  f"prefix={self.prefix}x{self.prefixes}" if self.prefix else "no-prefix",
                  f"chunk={self.max_batch_tokens}" if self.max_batch_tokens < 64 else ""]
-        return f"seed={self.seed} {self.arch} L{self.layers} page={self.page_size} " + " ".join(f for f in feats if f)
+        dtype = {"float32": " fp32", "bfloat16": " bf16"}[self.model_dtype] if self.dtype or self.arch == REAL else ""
+        return (f"seed={self.seed} {self.arch}{dtype} L{self.layers} page={self.page_size} "
+                + " ".join(f for f in feats if f))
+
+    @property
+    def model_dtype(self) -> str:
+        """The dtype the model computes in."""
+        return self.dtype or ("bfloat16" if self.arch == REAL else "float32")
 
 
-def random_cb_config(rng: random.Random, seed: int | None = None) -> CbConfig:
-    """Draw one crossed configuration; ``seed`` (default: drawn) seeds the model and the prompts."""
+def random_cb_config(rng: random.Random, seed: int | None = None, models: Sequence[str] = MODELS) -> CbConfig:
+    """Draw one crossed configuration from ``models``; ``seed`` (default: drawn) seeds the model and the prompts."""
     forks = rng.choice([1, 1, 2, 3])
-    return CbConfig(
-        seed=rng.randrange(1 << 30) if seed is None else seed, arch=rng.choice(sorted(ARCHS)),
+    cfg = CbConfig(
+        seed=rng.randrange(1 << 30) if seed is None else seed, arch=rng.choice(list(models)),
         layers=rng.choice([2, 2, 4]), requests=rng.randint(4, 12), prefix=rng.choice([0, 16, 24, 40]),
         prefixes=rng.randint(1, 3), max_new_tokens=rng.randint(4, 20), forks=forks,
         sample=forks > 1 or rng.random() < 0.3, memory=rng.choice(MEMORY), warm=rng.random() < 0.3,
         page_size=rng.choice([4, 8, 8, 16]), max_batch_tokens=rng.choice([128, 128, 48, 24]),
     )
+    if cfg.arch == REAL and rng.random() < 0.25:  # the real model in float32 too, bfloat16 mostly
+        cfg = dataclasses.replace(cfg, dtype="float32")
+    return cfg
 
 
-def prompts(cfg: CbConfig) -> tuple[list[list[int]], list[list[int]]]:
-    """The warm session's prompts and the measured session's: the same prefixes, some prompts repeated."""
-    rng = random.Random(cfg.seed)
-    heads = [[rng.randrange(1000) for _ in range(cfg.prefix)] for _ in range(cfg.prefixes)]
+def prompts(cfg: CbConfig, tokenizer: Any = None) -> tuple[list[list[int]], list[list[int]]]:
+    """The warm session's prompts and the measured session's: the same prefixes, some prompts repeated.
+    The real model's are real text (:func:`kvcanary.real_model.text_prompts`, with its ``tokenizer``):
+    ``cfg.prefix`` tokens of one of ``cfg.prefixes`` system turns, then a question."""
+    n_warm = max(2, cfg.requests // 2)
+    n = n_warm + cfg.requests - n_warm // 2
+    if cfg.arch == REAL:
+        from kvcanary.real_model import text_prompts
 
-    def draw(n: int) -> list[list[int]]:
-        return [rng.choice(heads) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))] for _ in range(n)]
+        drawn = text_prompts(tokenizer, n, cfg.seed, cfg.prefix, cfg.prefixes)
+    else:
+        rng = random.Random(cfg.seed)
+        heads = [[rng.randrange(1000) for _ in range(cfg.prefix)] for _ in range(cfg.prefixes)]
+        drawn = [rng.choice(heads) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))] for _ in range(n)]
+    warm = drawn[:n_warm]
+    return warm, warm[: n_warm // 2] + drawn[n_warm:]
 
-    warm = draw(max(2, cfg.requests // 2))
-    return warm, warm[: len(warm) // 2] + draw(cfg.requests - len(warm) // 2)
+
+_REAL_MODELS: dict[str, tuple[Any, Any]] = {}  # dtype -> (model, tokenizer), loaded once per process
+
+
+def build_model(cfg: CbConfig) -> tuple[Any, Any]:
+    """``cfg``'s model and its tokenizer (``None`` for the tiny models, whose prompts are token ids).
+    The real model is loaded once per process and dtype (a run leaves it as it was)."""
+    if cfg.arch == REAL:
+        if cfg.model_dtype not in _REAL_MODELS:
+            from kvcanary.real_model import load
+
+            _REAL_MODELS[cfg.model_dtype] = load(cfg.model_dtype, say=None)
+        return _REAL_MODELS[cfg.model_dtype]
+    model = tiny_arch(cfg.arch, seed=cfg.seed % 1000, layers=cfg.layers)
+    return (model if cfg.dtype is None else model.to(getattr(torch, cfg.dtype))), None
 
 
 def pool_blocks(cfg: CbConfig) -> int:
@@ -182,7 +227,7 @@ def pool_blocks(cfg: CbConfig) -> int:
     in each sliding one, so evictions happen whatever the mix of layer groups; ample memory never evicts."""
     if cfg.memory == "ample":
         return 4096 // cfg.page_size
-    full = full_layers(cfg.arch, cfg.layers)
+    full = cfg.layers if cfg.arch == REAL else full_layers(cfg.arch, cfg.layers)
     pages = -(-TIGHT_TOKENS // cfg.page_size) * full + TIGHT_WINDOWS * -(-WINDOW // cfg.page_size) * (cfg.layers - full)
     return -(-pages // cfg.layers)
 
@@ -209,13 +254,14 @@ class Session:
     seconds: float
 
 
-def session(model: Any, cfg: CbConfig, guard_config: CanaryConfig | None = None, hooks: Sequence[Any] = ()) -> Session:
+def session(model: Any, cfg: CbConfig, guard_config: CanaryConfig | None = None, hooks: Sequence[Any] = (),
+            tokenizer: Any = None) -> Session:
     """One run of ``cfg`` (the warm session unprotected; the measured one under ``guard_config``,
-    with ``hooks`` run before each forward's checks)."""
+    with ``hooks`` run before each forward's checks; ``tokenizer``: the real model's)."""
     from kvcanary.engines.transformers.entry import protect
 
     gen, cb = _engine_configs(cfg)
-    warm_ps, ps = prompts(cfg)
+    warm_ps, ps = prompts(cfg, tokenizer)
     out: dict[str, Any] = {}
     error = None
     guard = protect(model, guard_config) if guard_config is not None else None
@@ -285,15 +331,15 @@ def run_cb_config(cfg: CbConfig, hooks: Sequence[Any] = ()) -> dict[str, Any]:
     ``hooks`` go to the protection (fault injectors: a harness that must see them fail).
     """
     t0 = time.perf_counter()
-    model = tiny_arch(cfg.arch, seed=cfg.seed % 1000, layers=cfg.layers)
+    model, tok = build_model(cfg)
     with _quiet():
-        base = session(model, cfg, None)
+        base = session(model, cfg, None, tokenizer=tok)
         # every read byte verified, and the write check and read audit on every forward
         run = session(model, cfg, CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16),
-                      hooks)
+                      hooks, tok)
         same: bool | None = tokens(run.out) == tokens(base.out)
         if not same and not run.error:
-            again = session(model, cfg, None)
+            again = session(model, cfg, None, tokenizer=tok)
             same = None if tokens(again.out) != tokens(base.out) else False
     failed = {k: v.error for k, v in run.out.items() if v.error is not None}
     expected = cfg.requests * cfg.forks
@@ -315,10 +361,11 @@ SUMMED = ("forwards", "slots_verified", "slots_stamped", "guard_checks", "conten
           "request_errors")
 
 
-def draw_configs(n: int, seed: int) -> list[CbConfig]:
-    """The first ``n`` configurations of the soak with ``seed``; the k-th has model seed ``seed * 1000 + k``."""
+def draw_configs(n: int, seed: int, models: Sequence[str] = MODELS) -> list[CbConfig]:
+    """The first ``n`` configurations of the soak with ``seed``, drawn from ``models``; the k-th has
+    model seed ``seed * 1000 + k``."""
     rng = random.Random(seed)
-    return [random_cb_config(rng, seed=seed * 1000 + k) for k in range(n)]
+    return [random_cb_config(rng, seed * 1000 + k, models) for k in range(n)]
 
 
 def failure(res: dict[str, Any]) -> str | None:

@@ -58,7 +58,9 @@ def read_next_page(prot: Any, runner: Any, batch: dict, rng: random.Random, deta
     if picked is None or not batch["read_index"][picked[0].index].numel():
         return False
     g, layer = picked
-    rid = _victim(prot, runner, g, g.block_size, next_page=True)
+    # a request none of whose blocks is the pool's last, else any (a prefix shared by every request can
+    # sit in the last block: its page one on is clamped to the pool's last slot, as the audit reads it)
+    rid = _victim(prot, runner, g, g.block_size, next_page=True) or _victim(prot, runner, g, g.block_size)
     if rid is None:
         return False
     geom = g.pages.layer(layer)

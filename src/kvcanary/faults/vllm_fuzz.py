@@ -4,6 +4,13 @@ internal errors, an unchanged engine (the same KV cache groups and blocks, the s
 wherever vLLM itself is deterministic) and the engine events each configuration claims (drafts,
 preemptions, window evictions, aborts).
 
+A crossing draws one of the tiny random-weight architectures of :mod:`kvcanary.faults.vllm_models` or
+the trained SmolLM2-135M-Instruct (:data:`REAL`; :mod:`kvcanary.real_model`, its own head size of 64,
+real text prompts through its chat template except under ngram drafting, whose prompts are the
+repetitive token patterns drafting predicts). vLLM's environment cannot convert the real model (no
+``gguf``): :func:`model_path` finds a converted checkpoint or has an interpreter that can convert it
+do so (``KVCANARY_REAL_PYTHON``, else the checkout's ``.venv/bin/python``).
+
 ``bench/vllm_fuzz.py`` draws and runs many; ``tests_vllm/test_fuzz.py`` runs a few fixed crossings.
 Each engine run is its own process (:func:`kvcanary.faults.vllm_runner.run_in_subprocess`).
 """
@@ -22,6 +29,10 @@ from kvcanary.faults import vllm_models
 from kvcanary.faults.vllm_runner import run_in_subprocess
 
 WINDOW = 32  # the windowed architectures' sliding window (vllm_models' default)
+REAL = "smollm2"  # the trained model: full attention on 30 layers, 3 KV heads of 64
+REAL_HEAD_DIM = 64
+ARCHS = (*vllm_models.ARCHS, REAL)  # what a crossing draws from
+REAL_PYTHON_ENV = "KVCANARY_REAL_PYTHON"  # an interpreter with kvcanary's `real` extra
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,14 @@ class FuzzConfig:
     tensor_parallel: int = 1
     abort: int = 0  # abort every other early request after this many steps (0: none)
     every_byte: bool = False  # content budget none: every read byte verified
+    audit: int = 0  # the read audit on every forward with this many queries (0: the default audit)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch: expected one of {list(ARCHS)}, got {self.arch!r}")
+        if self.arch == REAL and self.head_dim != REAL_HEAD_DIM:
+            raise ValueError(f"head_dim: the real model's is {REAL_HEAD_DIM}, got {self.head_dim}")
 
     @property
     def name(self) -> str:
@@ -56,7 +74,8 @@ class FuzzConfig:
         parts += [f"ngram{self.spec}"] if self.spec else []
         parts += ["tp2"] if self.tensor_parallel > 1 else []
         parts += [f"abort{self.abort}"] if self.abort else []
-        parts += [f"max{self.max_tokens}"] + (["every-byte"] if self.every_byte else []) + [f"s{self.seed}"]
+        parts += [f"max{self.max_tokens}"] + (["every-byte"] if self.every_byte else [])
+        parts += ([f"audit{self.audit}"] if self.audit else []) + [f"s{self.seed}"]
         return "-".join(parts)
 
     def claims(self) -> list[str]:
@@ -85,7 +104,7 @@ class FuzzConfig:
             "max_seqs": self.max_seqs, "requests": self.requests, "max_tokens": self.max_tokens, "n": self.n,
             "temperature": 0.8 if self.n > 1 else 0.0, "spec": self.spec, "tensor_parallel": self.tensor_parallel,
             "abort": self.abort, "seed": self.seed, "max_model_len": self.max_model_len,
-            "prompts": "repetitive" if self.spec else "shared"}
+            "prompts": "repetitive" if self.spec else "text" if self.arch == REAL else "shared"}
         return cfg
 
     @property
@@ -100,15 +119,17 @@ def pool_for_preemption(arch: str, block_size: int, max_model_len: int) -> int:
     return groups * -(-max_model_len // block_size) + 2
 
 
-def draw(rng: random.Random, seed: int) -> FuzzConfig:
-    """A random crossing; every feature is drawn independently of the others."""
-    arch = rng.choice(vllm_models.ARCHS)
+def draw(rng: random.Random, seed: int, archs: tuple[str, ...] = ARCHS) -> FuzzConfig:
+    """A random crossing of one of ``archs``; every feature is drawn independently of the others (the
+    real model's head size is its own)."""
+    arch = rng.choice(archs)
     bs = rng.choice([32, 32, 64, 128])
     prefix = rng.choice([bs, 2 * bs, bs + rng.randrange(1, bs), rng.randrange(8, bs)])
     spec = rng.choice([0, 0, 3, 4])
     n = rng.choice([1, 1, 1, 2, 3])
     max_tokens = rng.choice([1, 24, 48, 96, 160])
-    cfg = FuzzConfig(arch=arch, head_dim=rng.choice([32, 64, 80, 112]), dtype=rng.choice(["float32", "bfloat16"]),
+    head_dim = rng.choice([32, 64, 80, 112])
+    cfg = FuzzConfig(arch=arch, head_dim=REAL_HEAD_DIM if arch == REAL else head_dim, dtype=rng.choice(["float32", "bfloat16"]),
                      block_size=bs, prefix_caching=rng.random() < 0.75, prefix=prefix,
                      max_batched=rng.choice([48, 96, 2048, 2048]), max_seqs=rng.choice([4, 8]),
                      requests=rng.choice([4, 8, 12]), max_tokens=max_tokens, n=n, spec=spec,
@@ -125,7 +146,19 @@ def draw(rng: random.Random, seed: int) -> FuzzConfig:
 
 
 def model_path(cfg: FuzzConfig, root: str) -> str:
-    """The tiny model of ``cfg``'s architecture and head size under ``root`` (saved once)."""
+    """The tiny model of ``cfg``'s architecture and head size under ``root`` (saved once); the real
+    model's checkpoint of ``cfg.dtype``: the one in kvcanary's cache where it is converted, else
+    converted into ``root`` (as a cache root) by the ``KVCANARY_REAL_PYTHON`` interpreter (default:
+    this checkout's ``.venv/bin/python``)."""
+    if cfg.arch == REAL:
+        from kvcanary import real_model
+
+        cached = real_model.target_dir(cfg.dtype)
+        if real_model.is_converted(cached):
+            return cached
+        src = os.path.dirname(os.path.dirname(os.path.abspath(real_model.__file__)))
+        python = os.environ.get(REAL_PYTHON_ENV) or os.path.join(os.path.dirname(src), ".venv", "bin", "python")
+        return real_model.model_dir_with(python, cfg.dtype, root=root, say=None)
     path = os.path.join(root, f"{cfg.arch}-hd{cfg.head_dim}")
     if not os.path.exists(os.path.join(path, "config.json")):
         vllm_models.save(path, cfg.arch, head_dim=cfg.head_dim)
@@ -140,6 +173,8 @@ def _env(cfg: FuzzConfig, canary: bool, scratch: str) -> dict[str, str | None]:
     if canary:
         env.update({"KVCANARY_MODE": "raise", "KVCANARY_CONTENT_BUDGET_BYTES": "none" if cfg.every_byte else "auto",
                     "KVCANARY_VIOLATIONS_LOG": os.path.join(scratch, "violations.jsonl")})
+        if cfg.audit:
+            env.update({"KVCANARY_AUDIT_QUERIES": str(cfg.audit), "KVCANARY_AUDIT_EVERY": "1"})
         if cfg.tensor_parallel > 1:  # the workers' counters come back through the metrics directory
             prom = os.path.join(scratch, "prom")
             os.makedirs(prom, exist_ok=True)
@@ -181,6 +216,7 @@ def judge(cfg: FuzzConfig, runs: dict[str, Any], logged: list[dict[str, Any]]) -
                            "internal_errors": st.get("internal_errors", 0), "forwards": st.get("forwards", 0),
                            "steps": st.get("steps", 0), "slots_verified": st.get("slots_verified", 0),
                            "content_slots_verified": st.get("content_slots_verified", 0),
+                           "audit_queries": st.get("audit_queries", 0),
                            "groups": st.get("kv_cache_groups_covered", 0)}
     ev = on.get("events", {})
     out.update({k: ev.get(k, 0) for k in ("drafts", "drafts_accepted", "preemptions", "window_freed_blocks",

@@ -141,8 +141,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     :mod:`kvcanary.faults.vllm`, injected at that forward or the first later one with a target);
     ``seed`` (prompts and fault); ``requests``, ``prefix`` (shared prefix tokens), ``max_tokens``,
     ``prompts`` (``"shared"``: shared prefixes and random tails; ``"repetitive"``: the same, each
-    made of a short repeated pattern, which ngram drafting predicts); ``prompt_ids`` (the timed
-    run's prompts as token ids instead, e.g. a trained model's chat prompts); ``warmup`` (requests of a
+    made of a short repeated pattern, which ngram drafting predicts; ``"text"``: real text through
+    the model's own tokenizer and chat template, :func:`kvcanary.real_model.text_prompts`); ``prompt_ids``
+    (the timed run's prompts as token ids instead, e.g. a trained model's chat prompts); ``warmup`` (requests of a
     first, untimed generate on other prompts; the stats returned leave it out); sampling ``n``
     (parallel samples per request) and ``temperature``; ``spec`` (ngram speculative decoding with
     this many drafts); engine sizes ``num_blocks`` (``None``: what the KV cache space holds),
@@ -156,7 +157,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     is also at the top level), ``kv_cache`` (the engine's KV cache groups and blocks, in-process
     engines), ``generate_s`` (the timed generate call), ``tokens_generated``, ``threads`` (torch's
     intra-op threads after the run) and, under the canary of an in-process engine, ``stats`` and
-    ``violations`` (the first 200, with ``text``), and the injected fault's ``fault`` detail
+    ``violations`` (the first 200, with ``text``), the compiled-loop signatures the run added to the
+    warm-up's (``loop_signatures_added``, by name), and the injected fault's ``fault`` detail
     (``step``: the canary step it landed in). A multiprocess engine
     (``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment) keeps its canaries and faults in its
     worker processes: read them from ``KVCANARY_VIOLATIONS_LOG`` and the metrics.
@@ -184,11 +186,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     sp = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=cfg.get("temperature", 0.0),
                         n=cfg.get("n", 1), ignore_eos=True)
     shape = cfg.get("prompts", "shared")
+    draw = _prompt_source(cfg["model"], shape)
 
     def generate(n: int, seed: int) -> tuple[list[Any], float]:
         given = cfg.get("prompt_ids") if seed == cfg.get("seed", 0) else None  # the warm-up draws its own
-        ids = given or prompts(n, seed, cfg.get("prefix", 64), shape=shape)
-        ps = [TokensPrompt(prompt_token_ids=p) for p in ids]
+        ps = [TokensPrompt(prompt_token_ids=p) for p in given or draw(n, seed, cfg.get("prefix", 64))]
         t0 = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         return outs, time.perf_counter() - t0
@@ -198,8 +200,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     canary = process_canary() if kvc is not None else None
     before = canary.stats() if canary is not None else {}
     if cfg.get("abort"):
-        outs, wall = _with_aborts(llm, prompts(cfg.get("requests", 12), seed, cfg.get("prefix", 64), shape=shape),
-                                  sp, cfg["abort"])
+        outs, wall = _with_aborts(llm, draw(cfg.get("requests", 12), seed, cfg.get("prefix", 64)), sp, cfg["abort"])
     else:
         outs, wall = generate(cfg.get("requests", 12), seed)
     tokens = {o.request_id if len(o.outputs) == 1 else f"{o.request_id}/{j}": list(c.token_ids)
@@ -222,6 +223,18 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if fault is not None and canary is not None:
         out["fault"] = fault.detail
     return out
+
+
+def _prompt_source(model: str, shape: str) -> Callable[[int, int, int], list[list[int]]]:
+    """``draw(n, seed, prefix)``: the prompts of ``shape`` (see :func:`run`)."""
+    if shape != "text":
+        return lambda n, seed, prefix: prompts(n, seed, prefix, shape=shape)
+    import transformers
+
+    from kvcanary.real_model import text_prompts
+
+    tok = transformers.AutoTokenizer.from_pretrained(model, local_files_only=True)
+    return lambda n, seed, prefix: text_prompts(tok, n, seed, prefix)
 
 
 def _with_aborts(llm: Any, ps: list[list[int]], sp: Any, after: int) -> tuple[list[Any], float]:

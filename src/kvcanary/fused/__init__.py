@@ -114,9 +114,9 @@ def _warm_up() -> None:
     from kvcanary.fused import forward
     from kvcanary.fused._step import describe
 
-    # vLLM's metadata: int32 query starts and block tables, int64 slot mapping (sequence lengths: int32 to
-    # fill_new, int64 to fill_tokens)
-    fill_tokens(i32(0, 1), i64(1), np.zeros((1, 1), dtype=np.int64), i64(0), i64(0))  # sequence lengths as int64
+    # vLLM's metadata: int32 query starts and block tables, int64 slot mapping; sequence lengths int32 to
+    # fill_new, int64 to fill_tokens (engines/vllm/steps.py matches the token book's rows with them)
+    fill_tokens(i32(0, 1), i64(1), np.zeros((1, 1), dtype=np.int64), i64(0), i64(0))
     fill_new(i32(0, 1), i32(1), i64(0), np.ones(1, dtype=np.bool_), i64(0), i64(0), i64(0))
 
     cursor = torch.zeros(1, dtype=torch.int64)  # held: the loop writes through its address
