@@ -77,14 +77,14 @@ def child(cfg: dict[str, Any]) -> None:
     spent: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
     _install(spent, calls)
-    found = vllm_runner._canary
+    found = vllm_runner.process_canary
 
     def timed_from_here() -> Any:  # called between the warm-up generate and the timed one
         spent.clear()
         calls.clear()
         return found()
 
-    vllm_runner._canary = timed_from_here
+    vllm_runner.process_canary = timed_from_here
     out = vllm_runner.run(cfg)
     st = out["stats"]
     print("RESULT " + json.dumps({"spent": spent, "calls": calls, "wall_s": out["generate_s"], "stats": st}),
