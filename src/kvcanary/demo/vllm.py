@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -165,17 +164,9 @@ def _sizes(args: argparse.Namespace, prompts: list[list[int]], per_slot: int) ->
 def _engine(cfg: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
     """:func:`kvcanary.demo.vllm_engine.run` in a fresh interpreter; ``RuntimeError`` with the end of its
     output when it fails."""
-    from kvcanary.faults.vllm_runner import RESULT
+    from kvcanary.faults.vllm_runner import run_in_subprocess
 
-    try:
-        p = subprocess.run([sys.executable, "-m", "kvcanary.demo.vllm_engine", json.dumps(cfg)], capture_output=True,
-                           text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the vLLM engine process did not finish within {timeout:.0f} s") from None
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith(RESULT)), None)
-    if p.returncode != 0 or line is None:
-        raise RuntimeError(f"the vLLM engine process failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    return dict(json.loads(line[len(RESULT):]))
+    return run_in_subprocess(cfg, timeout=timeout, module="kvcanary.demo.vllm_engine")
 
 
 def _faults(args: argparse.Namespace, config: CanaryConfig, base: dict[str, Any],

@@ -288,9 +288,10 @@ def process_canary() -> Any:
 
 
 def run_in_subprocess(cfg: dict[str, Any], env: dict[str, str | None] | None = None,
-                      timeout: float = 600) -> dict[str, Any]:
-    """:func:`run` in a fresh interpreter (this one's), with ``env`` over this environment (``None``
-    removes a variable). Raises ``RuntimeError`` with the end of its stderr when it fails."""
+                      timeout: float = 600, module: str = "kvcanary.faults.vllm_runner") -> dict[str, Any]:
+    """:func:`run` (or another ``module``'s ``CFG_JSON`` -> ``RESULT`` line entry) in a fresh
+    interpreter (this one's), with ``env`` over this environment (``None`` removes a variable).
+    Raises ``RuntimeError`` with the end of its stderr when it fails."""
     full = dict(os.environ)
     for k, v in (env or {}).items():
         if v is None:
@@ -298,7 +299,7 @@ def run_in_subprocess(cfg: dict[str, Any], env: dict[str, str | None] | None = N
         else:
             full[k] = v
     try:
-        p = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_runner", json.dumps(cfg)],
+        p = subprocess.run([sys.executable, "-m", module, json.dumps(cfg)],
                            capture_output=True, text=True, timeout=timeout, env=full)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"the vLLM engine run did not finish within {timeout:.0f} s") from None

@@ -72,12 +72,17 @@ def regions(table: SourceTable, slots: np.ndarray, bytes_per_slot: int) -> np.nd
 
 
 @njit(inline="always", **JIT)
+def _region(regions, r, snap):  # type: ignore[no-untyped-def]
+    """Region ``r``'s address, length and its copy's address in the snapshot."""
+    row = regions + 24 * r
+    return ld_i64(row + 8 * R_ADDR), ld_i64(row + 8 * R_LEN), snap + ld_i64(row + 8 * R_AT)
+
+
+@njit(inline="always", **JIT)
 def same(regions, n, snap):  # type: ignore[no-untyped-def]
     """Whether the ``n`` regions (at address ``regions``) hold the snapshot's bytes (at ``snap``)."""
     for r in range(n):
-        a = ld_i64(regions + 24 * r + 8 * R_ADDR)
-        length = ld_i64(regions + 24 * r + 8 * R_LEN)
-        b = snap + ld_i64(regions + 24 * r + 8 * R_AT)
+        a, length, b = _region(regions, r, snap)
         words = length // 8
         for j in range(words):
             if ld_i64(a + 8 * j) != ld_i64(b + 8 * j):
@@ -92,13 +97,10 @@ def same(regions, n, snap):  # type: ignore[no-untyped-def]
 def take(regions, n, snap):  # type: ignore[no-untyped-def]
     """Copy the ``n`` regions' bytes into the snapshot."""
     for r in range(n):
-        a = ld_i64(regions + 24 * r + 8 * R_ADDR)
-        length = ld_i64(regions + 24 * r + 8 * R_LEN)
-        b = snap + ld_i64(regions + 24 * r + 8 * R_AT)
-        words = length // 8
-        for j in range(words):
+        a, length, b = _region(regions, r, snap)
+        for j in range(length // 8):
             st_i64(b + 8 * j, ld_i64(a + 8 * j))
-        for j in range(8 * words, length):
+        for j in range(8 * (length // 8), length):
             st_u8(b + j, ld_u8(a + j))
 
 
