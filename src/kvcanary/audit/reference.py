@@ -21,7 +21,10 @@ from kvcanary.audit.records import ForwardAudit, LayerPlan
 # sinks, tight memory, offload; flat attention and softmax scales sharpened 100x and 300x to
 # trained-model logit sizes) the largest clean error is 2.7e-5 in fp32 (37x under 1e-3) and
 # 1.12 (bf16) / 1.15 (fp16) in units of u * (1 + m) (4.4x under 5); every injected kernel fault
-# class of kvcanary.faults is caught in every dtype and regime with these.
+# class of kvcanary.faults is caught in every dtype and regime with these. On a trained model's own
+# logits (SmolLM2-135M-Instruct, --real: 654K clean queries, m up to 29, sdpa and eager) the clean
+# maximum is 0.094 of the tolerance in bf16 and 1.2e-3 in fp32, and every fault class's weakest run
+# lands 4.9x above it or more: the random and sharpened regimes bound the tolerance, not the model.
 TOLERANCE = {torch.float32: (1e-3, 0.0), torch.float16: (5 * 2.0**-11, 5 * 2.0**-11),
              torch.bfloat16: (5 * 2.0**-8, 5 * 2.0**-8)}
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the compiled loops' float codes
