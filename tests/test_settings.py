@@ -41,7 +41,8 @@ def test_protect_takes_a_mapping_of_field_names_over_the_variables(model, monkey
                                           r"did you mean 'mode'\?"):
         protect(model, {"mdoe": "repair"})
     with pytest.raises(ConfigError, match=r"config: expected a CanaryConfig, a mapping of its field names to values "
-                                          r"\(such as \{'mode': 'repair'\}\) or None, got str 'repair'"):
+                                          r"or None \(e.g. CanaryConfig\(mode='repair'\) or \{'mode': 'repair'\}\), "
+                                          r"got str 'repair'"):
         protect(model, "repair")
 
 

@@ -271,7 +271,8 @@ def test_protect_refuses_what_it_cannot_protect(llama):
         vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(UnsupportedError, match="got LlamaModel"):
         protect(base)
-    with pytest.raises(ConfigError, match=r"config: expected a CanaryConfig \(e.g. CanaryConfig\(mode='raise'\)\), got str"):
+    with pytest.raises(ConfigError, match=r"config: expected a CanaryConfig, a mapping of its field names to values or None "
+                       r"\(e.g. CanaryConfig\(mode='raise'\) or \{'mode': 'raise'\}\), got str 'raise'"):
         protect(llama, "raise")  # type: ignore[arg-type]
 
 

@@ -262,5 +262,6 @@ def _config_of(config: object) -> CanaryConfig:
         return base
     if isinstance(config, Mapping):
         return CanaryConfig.from_mapping(config, base, where="config")
-    raise ConfigError(f"config: expected a CanaryConfig, a mapping of its field names to values (such as "
-                      f"{{'mode': 'repair'}}) or None, got {type(config).__name__} {config!r}")
+    mode = config if isinstance(config, str) else "repair"  # a mode given alone: show it in both forms
+    raise ConfigError(f"config: expected a CanaryConfig, a mapping of its field names to values or None (e.g. "
+                      f"CanaryConfig(mode={mode!r}) or {{'mode': {mode!r}}}), got {type(config).__name__} {config!r}")
