@@ -22,6 +22,9 @@ from kvcanary.geometry.base import KvGeometry
 from kvcanary.geometry.pages import page_major
 from kvcanary.geometry.token_pages import TokenPages
 from kvcanary.geometry.vllm_cpu import AmxKv, vllm_cpu
+from kvcanary.geometry.vllm_gpu import vllm_gpu
+
+from vllm_layouts import allocate, element
 from kvcanary.source import storage_bytes
 
 Address = Callable[[str, int, int, int], int]  # (half, slot, head, dim) -> element index in the storage
@@ -109,7 +112,24 @@ def pages_hnd(nb: int = 4, bs: int = 16, heads: int = 3, dim: int = 8) -> Case:
     return Case(page_major(t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3)), address, heads, dim)
 
 
+def vllm_gpu_case(backend: str, layout: str, layer: int = 1, nb: int = 4, heads: int = 2, bs: int = 16,
+                 dim: int = 8, dtype: torch.dtype = torch.float16) -> Case:
+    """vLLM 0.32's GPU backends: per layer a ``[nb, heads, bs, 2 * dim]`` view (K then V on the last
+    axis) of one allocation of 3 layers, the axes in memory in the layout's order."""
+    views, strides = allocate(layout, 3, nb, heads, bs, dim, dtype)
+
+    def address(half: str, slot: int, h: int, d: int) -> int:
+        return element(strides, bs, dim, layer, half, slot, h, d)
+
+    return Case(vllm_gpu(views[layer], backend, layout, bs, heads, dim), address, heads, dim)
+
+
 CASES = {
+    "vllm_flash_attn_nhd": lambda: vllm_gpu_case("FLASH_ATTN", "LBNHC"),
+    "vllm_flashinfer_hnd": lambda: vllm_gpu_case("FLASHINFER", "LBHNC"),
+    "vllm_flashinfer_cross_layer_hnd": lambda: vllm_gpu_case("FLASHINFER", "BLHNC", layer=2),
+    "vllm_triton_attn_cross_layer_nhd": lambda: vllm_gpu_case("TRITON_ATTN", "BLNHC", layer=0, dtype=torch.float32),
+    "vllm_flex_attention_one_head": lambda: vllm_gpu_case("FLEX_ATTENTION", "LBNHC", heads=1, bs=8),
     "vllm_vec_fp32": lambda: vllm_vec(),
     "vllm_vec16_bf16": lambda: vllm_vec(torch.bfloat16, bs=32, dim=32),
     "vllm_vec_one_head": lambda: vllm_vec(heads=1, bs=8, dim=4),

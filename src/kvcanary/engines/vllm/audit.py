@@ -21,6 +21,7 @@ their own) and non-causal or ALiBi attention are passed through unchecked.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from kvcanary.audit.tables import PTR_K, PTR_O, PTR_Q, PTR_V, STRIDE_COLUMNS, fl
 from kvcanary.engines.audit import NO_QUERIES, EngineAudit
 from kvcanary.geometry.base import KvGeometry
 
+log = logging.getLogger("kvcanary")
 REGISTRY: dict[str, "VllmAudit"] = {}  # layer name -> the audit of the canary that covers it
 # fault injection only (kvcanary.faults.vllm): wraps every layer's attention, audited or not, as
 # tap(original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
@@ -102,6 +104,7 @@ class VllmAudit(EngineAudit):
         self._tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # this forward's compiled tables by layer
         self._step_descs: dict[str, np.ndarray] = {}
         self._strides: dict[tuple[Any, ...], np.ndarray] = {}
+        self.skipped = 0  # covered layers the per-layer wrapper does not reach (GPU backends)
 
     def register(self, groups: list[Any], geometry: dict[str, KvGeometry]) -> None:
         """The covered groups' layers, checked from now on (``geometry``: each layer's cache)."""
@@ -117,12 +120,26 @@ class VllmAudit(EngineAudit):
                     self.geometry[name] = geometry[name]
                     REGISTRY[name] = self
 
+    def say_skipped(self, layers: dict[str, str]) -> None:
+        """Say once, at start, which covered layers run without the write check and read audit
+        (``layers``: name -> backend): the per-layer wrapper wraps vLLM's CPU attention only; on a
+        GPU backend it would sit inside the attention a full CUDA graph captures."""
+        self.skipped = len(layers) if self.on else 0
+        if self.skipped:
+            names = sorted(set(layers.values()))
+            log.warning("kvcanary: the write check and read audit run inside vLLM's CPU attention only; %d layer(s) "
+                        "on %s run without them (stats: audit_layers_skipped); verify and stamp cover them as "
+                        "every other layer", self.skipped, ", ".join(names))
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "audit_layers_skipped": self.skipped}
+
     def begin(self, live: list[Any], rows: Any, forwards: int) -> None:
         """Plan this forward's write checks and audited queries from the steps' host values."""
         self.fa, self.plans = None, {}
         self.write_tokens = self.write_index = None
         self._tables, self._step_descs = {}, {}
-        if not live or not self.due(forwards):
+        if not live or not self.groups or not self.due(forwards):
             return
         step = live[0].step
         qsl = step.new_offsets.long().numpy()

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.base import Adapter, hook
+from kvcanary.engines.vllm import backends
 from kvcanary.engines.vllm import heal as vllm_heal
 from kvcanary.engines.vllm.audit import VllmAudit
 from kvcanary.engines.vllm.groups import GroupPlan, plan_groups, single_group
@@ -52,7 +53,6 @@ from kvcanary.engines.vllm.steps import (ReqStep, Rows, block_slots, build_step,
 from kvcanary.engines.vllm.transfer import TransferSide
 from kvcanary.errors import UnsupportedError
 from kvcanary.geometry.base import KvGeometry
-from kvcanary.geometry.vllm_cpu import ISAS, vllm_cpu
 from kvcanary.layout import KvLayout
 from kvcanary.step import Step
 from kvcanary.violations import Site, Violation
@@ -109,6 +109,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         self.meta = CanaryMeta()  # this forward's metadata from the scheduler side
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.geometry: dict[str, KvGeometry] = {}  # each covered layer's cache (kvcanary.geometry)
+        self.backends: dict[str, str] = {}  # each covered layer's attention backend (its get_name())
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.audit = VllmAudit(self, int(heads))  # the write check and read audit in each attention layer
 
@@ -154,30 +155,28 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         for p in covered:
             name = "kv" if len(covered) == 1 else f"g{p.index}"
             self.groups.append(_Group(p, name, self._canary_for(p, kv_caches)))
-        self.audit.register(self.groups, self.geometry)
+        self.audit.register(self.groups, {n: g for n, g in self.geometry.items() if self.backends[n] == backends.CPU})
+        self.audit.say_skipped({n: b for n, b in self.backends.items() if b != backends.CPU})
 
     def _canary_for(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor]) -> Canary:
-        """A group's canary: its layers' bytes described by the CPU kernels' geometry, the null block
-        (block 0, which tables pad with and nothing may write) reserved."""
+        """A group's canary: each layer's bytes described by the geometry of the attention backend
+        vLLM chose for it (:mod:`kvcanary.engines.vllm.backends`), the null block (block 0, which
+        tables pad with and nothing may write) reserved."""
         names = [n for n in plan.layers if n in kv_caches]
         bs = plan.block_size
         if not names:  # a group of draft layers only: positions are checked, no bytes
             some = next(iter(kv_caches.values()))
-            return Canary(int(some.shape[0]) * bs, None, self.config, healer="vllm")
-        t = kv_caches[names[0]]
-        if t.dim() != 4 or t.device.type != "cpu" or t.shape[2] != bs:
-            raise UnsupportedError(f"vLLM KV cache of {plan.describe()}: expected the CPU backend's [num_blocks, "
-                                   f"kv_heads, {bs}, 2 * head_dim] tensors, got shape {tuple(t.shape)} on {t.device}")
-        num_blocks, heads, _, two_d = t.shape
-        isa = _cpu_isa(t.dtype, bs, two_d // 2)
-        if isa not in ISAS:
-            raise UnsupportedError(f"vLLM CPU attention kernels {isa!r}: kvcanary describes the KV layouts of "
-                                   f"'vec', 'vec16' and 'amx', not this one; the canary is off on this worker")
-        layers = [vllm_cpu(kv_caches[n], isa, bs, heads, two_d // 2, i) for i, n in enumerate(names)]
+            return Canary(int(some.shape[0]) * bs, None, self.config, device=some.device, healer="vllm")
+        layout = backends.resolved_layout(self._vllm_config, self._kv_cache_config)
+        layers = []
+        for i, n in enumerate(names):
+            backend = backends.backend_of(self._vllm_config, n)
+            self.backends[n] = backend
+            layers.append(backends.geometry(backend, kv_caches[n], bs, backends.layer_spec(plan.spec, n)
+                                            if plan.spec is not None else None, layout, i))
         self.geometry.update(zip(names, layers))
-        layout = KvLayout(tuple(s for i, g in enumerate(layers) for s in g.sources(f"layer{i}")),
-                          reserved=tuple(range(bs)))
-        return Canary(num_blocks * bs, layout, self.config, healer="vllm")
+        kv = KvLayout(tuple(s for i, g in enumerate(layers) for s in g.sources(f"layer{i}")), reserved=tuple(range(bs)))
+        return Canary(layers[0].num_blocks * bs, kv, self.config, healer="vllm")
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -375,13 +374,6 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
             g.step = None
         self.rows = None
         Adapter.recover(self)
-
-
-def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
-    """The CPU attention kernels vLLM picks for this cache (they fix its byte layout)."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    return str(_get_attn_isa(dtype, block_size, head_dim))
 
 
 def _named(v: Violation, rids: list[str]) -> Violation:

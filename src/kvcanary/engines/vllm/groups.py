@@ -21,7 +21,7 @@ CPU build, so this part has not run.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 FULL = ("FullAttentionSpec",)  # the spec classes (exact) whose kernel reads every cached position
@@ -39,6 +39,7 @@ class GroupPlan:
     layers: tuple[str, ...]  # layers whose bytes are fingerprinted
     draft_layers: tuple[str, ...] = ()  # layers written by a draft model's own forward (positions only)
     why_not: str | None = None  # not covered: why
+    spec: Any = field(default=None, compare=False, repr=False)  # vLLM's KV cache spec of the group (None: none)
 
     @property
     def covered(self) -> bool:
@@ -54,7 +55,7 @@ def plan_groups(kv_cache_config: Any, vllm_config: Any) -> list[GroupPlan]:
     drafts = draft_layer_names(vllm_config, [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names])
     out = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
-        spec = g.kv_cache_spec
+        spec = whole = g.kv_cache_spec
         spec = getattr(spec, "first_spec", spec)  # several same-kind specs in one group: the kind is shared
         name = type(spec).__name__
         names = list(g.layer_names)
@@ -62,9 +63,9 @@ def plan_groups(kv_cache_config: Any, vllm_config: Any) -> list[GroupPlan]:
         dl = tuple(n for n in names if n in drafts)
         bs = int(getattr(spec, "block_size", 0) or 0)
         if name in FULL:
-            out.append(GroupPlan(i, "full", bs, None, layers, dl))
+            out.append(GroupPlan(i, "full", bs, None, layers, dl, spec=whole))
         elif name in SLIDING:
-            out.append(GroupPlan(i, "sliding", bs, int(spec.sliding_window), layers, dl))
+            out.append(GroupPlan(i, "sliding", bs, int(spec.sliding_window), layers, dl, spec=whole))
         else:
             out.append(GroupPlan(i, name, bs, None, layers, dl, why_not=_why_not(name)))
     return out
