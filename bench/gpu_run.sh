@@ -7,10 +7,14 @@
 #   bench         SGLang's anchor, then bench/kernels.py, in the same process launch window, then
 #                 its sweep of decode verify's block and warps
 #   transformers  bench/transformers_cb.py on CUDA (Llama-shaped, 16 layers x 2048, random weights)
+#   vllm_layouts  vLLM's GPU backends' cache layouts (FlashAttention, FlashInfer NHD/HND, Triton,
+#                 FlexAttention) on CUDA tensors: Triton-vs-torch stamp parity, a clean verify and a
+#                 flipped byte found, then decode verify and prefill stamp timings
+#                 (bench/vllm_gpu_layouts.py, no vLLM needed), and tests/test_vllm_gpu.py's Triton cases
 #
-# Needs .gpu/ from bench/prepare_gpu_run.sh (carry it). The stages' limits add up to 13 minutes,
+# Needs .gpu/ from bench/prepare_gpu_run.sh (carry it). The stages' limits add up to 15 minutes,
 # more than one device call's 10, so split them (the session's 15 device minutes include starting):
-#   bench/gpu_run.sh bench        then        bench/gpu_run.sh tests transformers
+#   bench/gpu_run.sh bench        then        bench/gpu_run.sh tests transformers vllm_layouts
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvcanary-gpu}
@@ -34,7 +38,7 @@ stage() {  # name, seconds, command...
   echo "== $name: exit $rc in $((SECONDS - t0))s"
 }
 
-for s in "${@:-bench tests transformers}"; do
+for s in "${@:-bench tests transformers vllm_layouts}"; do
   for one in $s; do
     case $one in
       tests)  # kernel variants compile on first use: spread them over the host's cores when xdist is there
@@ -46,7 +50,10 @@ for s in "${@:-bench tests transformers}"; do
         stage kernels_sweep 60 python3 bench/kernels.py --sweep ;;
       transformers) stage transformers_cuda 180 python3 bench/transformers_cb.py --device cuda --repeats 3 \
                       --layers 16 --hidden 2048 ;;
-      *) echo "unknown stage $one (tests, bench, transformers)"; exit 2 ;;
+      vllm_layouts)
+        stage vllm_gpu_layouts 90 python3 bench/vllm_gpu_layouts.py --device cuda
+        stage vllm_gpu_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_vllm_gpu.py -k triton ;;
+      *) echo "unknown stage $one (tests, bench, transformers, vllm_layouts)"; exit 2 ;;
     esac
   done
 done

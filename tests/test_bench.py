@@ -20,6 +20,7 @@ SMALL = {
     "transformers_cb.py": ["--repeats", "1", "--workloads", "decode_heavy", "--threads", "1"],
     "decode_forward.py": ["--repeats", "1", "--new-tokens", "8", "--backends", "fused"],
     "ops.py": ["--quick", "--repeats", "1", "--backends", "torch,fused"],
+    "vllm_gpu_layouts.py": ["--device", "cpu"],  # the Triton kernels under the interpreter
 }
 
 

@@ -26,7 +26,7 @@ from kvcanary.geometry.vllm_gpu import vllm_gpu
 from kvcanary.layout import KvLayout
 from kvcanary.source import storage_bytes
 
-from factories import prefill_of, random_step
+from factories import DEV, clone_step, prefill_of, random_step, step_to
 from vllm_layouts import allocate, element, write_kv
 
 NB, BS, H, D, LAYERS = 8, 16, 2, 8, 2
@@ -43,10 +43,11 @@ def kv_values(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(torch.randn(NB * BS, H, D, generator=g).to(DTYPE) for _ in range(2)) for _ in range(LAYERS)]
 
 
-def gpu_cache(backend: str, layout: str, kvs) -> tuple[KvLayout, list[torch.Tensor], dict[str, int]]:
-    views, strides = allocate(layout, LAYERS, NB, H, BS, D, DTYPE)
+def gpu_cache(backend: str, layout: str, kvs, dev: torch.device | str = "cpu"
+              ) -> tuple[KvLayout, list[torch.Tensor], dict[str, int]]:
+    views, strides = allocate(layout, LAYERS, NB, H, BS, D, DTYPE, dev)
     for view, (k, v) in zip(views, kvs):
-        write_kv(view, k, v)
+        write_kv(view, k.to(dev), v.to(dev))
     geoms = [vllm_gpu(t, backend, layout, BS, H, D, layer=i) for i, t in enumerate(views)]
     return KvLayout(tuple(s for i, g in enumerate(geoms) for s in g.sources(f"layer{i}"))), views, strides
 
@@ -90,10 +91,11 @@ def reference():
 @pytest.mark.parametrize("gpu,backend", CASES, ids=lambda x: "-".join(x) if isinstance(x, tuple) else x)
 def test_gpu_layout_stamps_verify_and_faults_agree_with_the_cpu_backend(reference, gpu, backend):
     kvs, want = reference
-    layout, views, strides = gpu_cache(*gpu, kvs)
+    dev = DEV if backend == "triton" else torch.device("cpu")  # on a GPU machine: CUDA tensors
+    layout, views, strides = gpu_cache(*gpu, kvs, dev)
     c = canary(layout, backend)
     pre, step = steps()
-    c.after_forward(pre)
+    c.after_forward(step_to(clone_step(pre), dev))
     got = c.stamps.cpu()
     assert torch.equal(got[:, :3], want[:, :3]), "token, position or link differ from the CPU backend's"
     if backend != "torch":
@@ -102,15 +104,15 @@ def test_gpu_layout_stamps_verify_and_faults_agree_with_the_cpu_backend(referenc
         assert torch.equal(got, ref.stamps), f"{backend}: stamps differ from the torch reference's on the same layout"
     written = pre.new_slots
     assert bool((got[written, 3] != 0).all()) and got[written, 3].unique().numel() == written.numel()
-    c.before_forward(step)
-    c.after_forward(step)
+    c.before_forward(step_to(clone_step(step), dev))
+    c.after_forward(step_to(clone_step(step), dev))
     assert c.drain() == []
     # one flipped byte of a cached token's V in layer 1, where the backend's own indexing puts it
     row, pos = 1, 17
     slot = int(step.lookup(torch.tensor([row]), torch.tensor([pos]))[0])
     at = element(strides, BS, D, 1, "v", slot, 1, 5) * views[1].element_size()
     storage_bytes(views[1])[at] ^= 0x10
-    c.before_forward(_decode_after(step))
+    c.before_forward(step_to(_decode_after(step), dev))
     got = [(v.slot, v.position, v.checks) for v in c.drain()]
     assert got and all(x[:2] == (slot, pos) and Check.CONTENT in x[2] for x in got), got
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 
 
-def allocate(layout: str, layers: int, nb: int, heads: int, bs: int, dim: int,
-             dtype: torch.dtype) -> tuple[list[torch.Tensor], dict[str, int]]:
-    """``layers`` layers' views of one zeroed allocation, and the allocation's element stride of each axis."""
+def allocate(layout: str, layers: int, nb: int, heads: int, bs: int, dim: int, dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> tuple[list[torch.Tensor], dict[str, int]]:
+    """``layers`` layers' views of one zeroed allocation on ``device``, and the allocation's element
+    stride of each axis."""
     sizes = {"L": layers, "B": nb, "H": heads, "N": bs, "C": 2 * dim}
     strides, acc = {}, 1
     for axis in reversed(layout):
         strides[axis], acc = acc, acc * sizes[axis]
-    raw = torch.zeros(acc, dtype=dtype)
+    raw = torch.zeros(acc, dtype=dtype, device=device)
     shape, st = (nb, heads, bs, 2 * dim), tuple(strides[a] for a in "BHNC")
     return [raw.as_strided(shape, st, layer * strides["L"]) for layer in range(layers)], strides
 
@@ -32,10 +33,10 @@ def element(strides: dict[str, int], bs: int, dim: int, layer: int, half: str, s
 
 def write_kv(view: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Every slot's K and V ``[num_slots, heads, dim]`` into a layer's view, by the backends' split of
-    the content axis (K first), one block and token at a time through plain indexing."""
+    the content axis (K first), through plain indexing by block and token."""
     nb, heads, bs, two_d = view.shape
     dim = two_d // 2
-    for s in range(nb * bs):
-        b, n = divmod(s, bs)
-        view[b, :, n, :dim] = k[s]
-        view[b, :, n, dim:] = v[s]
+    slots = torch.arange(nb * bs, device=view.device)
+    b, n = slots // bs, slots % bs
+    view[b, :, n, :dim] = k
+    view[b, :, n, dim:] = v
