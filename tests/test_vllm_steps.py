@@ -4,6 +4,7 @@ acceptance and rollback. The real engine runs are in tests_vllm/."""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -191,14 +192,10 @@ def test_groups_are_planned_by_kind_and_state_groups_are_not_covered():
     assert "not per-token KV" in (plans[2].why_not or "")
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
-    """match_rows and build_step by compiled loops (kvcanary.engines.vllm.compiled) equal the torch
-    construction field for field, on random batches: prefill chunks and decodes, windows, drafts
-    (some not filled in), padding rows (no request, or none scheduled), KV another connector lands,
-    tokens the book does not hold yet."""
-    import random
-
+def random_batch(seed: int) -> tuple[SimpleNamespace, list[ReqStep], TokenBook, dict[str, list[int]], "random.Random"]:
+    """A random batch's metadata, request records, token book and each request's ids as the forward
+    knows them: prefill chunks and decodes, drafts (some not filled in), padding rows (no request,
+    or none scheduled), KV another connector lands, tokens the book does not hold yet."""
     rng = random.Random(seed)
     nreq = rng.randint(1, 6)
     table, seqs, news, reqs = [], [], [], []
@@ -226,6 +223,16 @@ def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
             reqs.append(ReqStep(f"r{i}", computed, new, first_slot(table[i], computed), computed, [], drafts=drafts,
                                 landed_from=landed))
     md = metadata(table, seqs, news)
+    return md, reqs, book, truth, rng
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
+    """match_rows and build_step by compiled loops (kvcanary.engines.vllm.compiled) equal the torch
+    construction field for field, on random batches: prefill chunks and decodes, windows, drafts
+    (some not filled in), padding rows (no request, or none scheduled), KV another connector lands,
+    tokens the book does not hold yet."""
+    md, reqs, book, truth, rng = random_batch(seed)
     for window in (None, rng.randint(2, 12)):
         a, b = match_rows(md, reqs, book, fused=True), match_rows(md, reqs, book, fused=False)
         assert a.rids == b.rids and a.reqs == b.reqs and a.unknown_new == b.unknown_new
@@ -238,6 +245,37 @@ def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
                 assert x.expected_tokens[x.expected_rows[i], :c].tolist() == [t if t >= 0 else -1 for t in truth[rid][:c]]
                 lo, hi = int(x.new_offsets[i]), int(x.new_offsets[i + 1])
                 assert x.new_tokens[lo:hi].tolist() == truth[rid][c:], (rid, truth[rid])
+        for f in x.__dataclass_fields__:
+            u, v = getattr(x, f), getattr(y, f)
+            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+                assert u is not None and v is not None and torch.equal(u.long(), v.long()), (f, u, v)
+            else:
+                assert u == v, f
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_device_rows_and_steps_equal_the_host_construction_without_a_host_sync(seed):
+    """device_rows and device_step (kvcanary.engines.vllm.device_steps) equal match_rows and
+    build_step's torch construction field for field, and never read a device value on the host
+    (test_no_host_sync's guard). Odd seeds point one row's first read block at a block another
+    row writes in the same forward (a prefix-cache hit computed in this forward)."""
+    from kvcanary.engines.vllm.device_steps import device_rows, device_step
+
+    from test_no_host_sync import no_host_sync
+
+    md, reqs, book, truth, rng = random_batch(seed)
+    if seed % 2 and md.block_table.shape[0] > 1:
+        md.block_table[1, 0] = int(md.slot_mapping[0]) // BS if md.num_actual_tokens else 0
+    for window in (None, rng.randint(2, 12)):
+        host = match_rows(md, reqs, book, fused=False)
+        with no_host_sync():
+            rows = device_rows(md, reqs, book)
+            x = device_step(md, rows, BS, window)
+        assert torch.equal(rows.valid, host.valid) and torch.equal(rows.record_rows, host.record_rows)
+        assert torch.equal(rows.new_tokens, host.new_tokens) and rows.record is host.record
+        got = [rows.order[i].req_id if i >= 0 else "" for i in rows.req.tolist()]
+        assert got == host.rids
+        y = build_step(md, host, BS, window, fused=False)
         for f in x.__dataclass_fields__:
             u, v = getattr(x, f), getattr(y, f)
             if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
