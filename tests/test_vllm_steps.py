@@ -226,6 +226,16 @@ def random_batch(seed: int) -> tuple[SimpleNamespace, list[ReqStep], TokenBook, 
     return md, reqs, book, truth, rng
 
 
+def assert_steps_equal(x, y) -> None:
+    """Every field of two steps equal (tensors by value, as int64)."""
+    for f in x.__dataclass_fields__:
+        u, v = getattr(x, f), getattr(y, f)
+        if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+            assert u is not None and v is not None and torch.equal(u.long(), v.long()), (f, u, v)
+        else:
+            assert u == v, f
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
     """match_rows and build_step by compiled loops (kvcanary.engines.vllm.compiled) equal the torch
@@ -245,12 +255,7 @@ def test_the_compiled_rows_and_steps_equal_the_torch_construction(seed):
                 assert x.expected_tokens[x.expected_rows[i], :c].tolist() == [t if t >= 0 else -1 for t in truth[rid][:c]]
                 lo, hi = int(x.new_offsets[i]), int(x.new_offsets[i + 1])
                 assert x.new_tokens[lo:hi].tolist() == truth[rid][c:], (rid, truth[rid])
-        for f in x.__dataclass_fields__:
-            u, v = getattr(x, f), getattr(y, f)
-            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
-                assert u is not None and v is not None and torch.equal(u.long(), v.long()), (f, u, v)
-            else:
-                assert u == v, f
+        assert_steps_equal(x, y)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -276,9 +281,4 @@ def test_the_device_rows_and_steps_equal_the_host_construction_without_a_host_sy
         got = [rows.order[i].req_id if i >= 0 else "" for i in rows.req.tolist()]
         assert got == host.rids
         y = build_step(md, host, BS, window, fused=False)
-        for f in x.__dataclass_fields__:
-            u, v = getattr(x, f), getattr(y, f)
-            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
-                assert u is not None and v is not None and torch.equal(u.long(), v.long()), (f, u, v)
-            else:
-                assert u == v, f
+        assert_steps_equal(x, y)

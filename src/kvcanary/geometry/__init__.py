@@ -4,6 +4,7 @@
 geometry                                 the engine's cache
 ======================================== ==========================================================
 :func:`~.vllm_cpu.vllm_cpu`              vLLM's CPU backend: ``vec``/``vec16`` (strided) and ``amx``
+:func:`~.vllm_gpu.vllm_gpu`              vLLM's GPU backends (FlashAttention, FlashInfer, Triton, Flex)
 :class:`~.token_pages.TokenPages`        transformers continuous batching: a layer group's pages
 :func:`~.pages.page_major`               ``[blocks, block_size, heads, dim]`` pages (FlashAttention...)
 ======================================== ==========================================================
