@@ -127,3 +127,22 @@ def _decode_after(step):
     return Step(cached_lens=cached, new_offsets=torch.zeros(rows + 1, dtype=torch.int64), new_tokens=empty,
                 new_positions=empty, new_slots=empty, block_table=step.block_table, block_size=step.block_size,
                 row_valid=step.row_valid, expected_tokens=step.expected_tokens, expected_rows=step.expected_rows)
+
+
+def test_layers_the_audit_cannot_wrap_are_counted_and_said_once(caplog):
+    """On a GPU backend the write check and read audit (a wrapper inside the attention call, which a
+    full CUDA graph captures) do not run: the layers are counted in stats and named in one warning."""
+    from types import SimpleNamespace
+
+    from kvcanary.engines.vllm.audit import VllmAudit
+
+    audit = VllmAudit(SimpleNamespace(config=CanaryConfig(mode="log")), 4)
+    with caplog.at_level("WARNING", logger="kvcanary"):
+        audit.say_skipped({"model.layers.0.self_attn.attn": "FLASH_ATTN", "model.layers.1.self_attn.attn": "FLASH_ATTN"})
+    said = [r.getMessage() for r in caplog.records if "audit_layers_skipped" in r.getMessage()]
+    assert len(said) == 1 and "2 layer(s) on FLASH_ATTN" in said[0]
+    assert audit.stats()["audit_layers_skipped"] == 2
+    caplog.clear()
+    cpu_only = VllmAudit(SimpleNamespace(config=CanaryConfig(mode="log")), 4)
+    cpu_only.say_skipped({})
+    assert cpu_only.stats()["audit_layers_skipped"] == 0 and not caplog.records

@@ -10,6 +10,8 @@ import torch
 
 from kvcanary.step import Step
 
+FAR = 1 << 62  # beyond every slot and position
+
 
 def step_from_block_table(block_table: torch.Tensor, block_size: int, query_start: torch.Tensor,
                           seq_lens: torch.Tensor, slot_mapping: torch.Tensor, tokens: torch.Tensor,
@@ -57,7 +59,11 @@ def written_from(step: Step, fused: bool | None = None) -> torch.Tensor:
     """Per row, the first position it reads (``read_starts`` on) whose slot this step writes
     (``cached_len`` if none).
     On a CPU step with the fused path available (``fused=None``: whenever it is), one compiled pass
-    over the table entries; otherwise a ``[rows, max cached]`` lookup and ``isin``."""
+    over the table entries; on a block-table step on another device, a search of the table's blocks
+    that reads nothing back (:func:`written_from_blocks`); otherwise a ``[rows, max cached]`` lookup
+    and ``isin``."""
+    if fused is None and step.cached_lens.device.type != "cpu" and step.block_table is not None:
+        return written_from_blocks(step)
     if fused is None:
         from kvcanary.fused import available
 
@@ -86,3 +92,23 @@ def read_starts(cached: torch.Tensor, window: int | None) -> torch.Tensor | None
         return None
     lo = (cached - window + 1).clamp(min=0)
     return torch.minimum(lo, (cached - 1).clamp(min=0))
+
+
+def written_from_blocks(step: Step) -> torch.Tensor:
+    """Per row, the first position it reads (``read_starts`` on, before ``cached_lens``) whose slot
+    this step writes, else ``cached_lens``: for each table entry, the smallest written slot at or
+    past the entry's first read slot, if it falls inside the entry's read span."""
+    bs = step.block_size
+    assert step.block_table is not None and bs is not None
+    table = step.block_table.long()
+    cached, starts = step.cached_lens.long(), step.starts()
+    written = torch.where(step.new_slots >= 0, step.new_slots.long(), FAR)
+    ordered = torch.cat([torch.sort(written).values, torch.full((1,), FAR, dtype=torch.int64, device=table.device)])
+    lo_block = torch.arange(table.shape[1], device=table.device) * bs  # each entry's first position
+    lo = torch.maximum(lo_block[None, :], starts[:, None])
+    hi = torch.minimum(lo_block[None, :] + bs, cached[:, None])
+    base = table * bs - lo_block[None, :]  # slot = base + position, inside the entry
+    hit = ordered[torch.searchsorted(ordered, (base + lo).contiguous())]
+    inside = (hi > lo) & (table >= 0) & (hit < base + hi)
+    first = torch.where(inside, hit - base, FAR).amin(dim=1) if table.shape[1] else cached
+    return torch.minimum(first, cached)

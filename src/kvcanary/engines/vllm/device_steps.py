@@ -21,12 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcanary.engines.block_table import read_starts
+from kvcanary.engines.block_table import FAR, read_starts, written_from_blocks
 from kvcanary.engines.token_book import TokenBook
 from kvcanary.engines.vllm.steps import ReqStep
 from kvcanary.step import Step
 
-_FAR = 1 << 62  # beyond every slot and position
 
 
 @dataclass
@@ -70,7 +69,7 @@ def device_rows(md: Any, reqs: list[ReqStep], book: TokenBook) -> DeviceRows:
     dev = md.query_start_loc.device
     order, cols, drafts = _host_table(reqs, book)
     m = len(order)
-    c, d = _sent(np.concatenate([cols, np.full((1, 5), _FAR, dtype=np.int64)]), dev), _sent(drafts, dev)
+    c, d = _sent(np.concatenate([cols, np.full((1, 5), FAR, dtype=np.int64)]), dev), _sent(drafts, dev)
     qsl = md.query_start_loc.long()
     r, n = qsl.shape[0] - 1, int(md.num_actual_tokens)  # the host's own count, not a device value
     q = qsl[1:] - qsl[:-1]
@@ -109,25 +108,5 @@ def device_step(md: Any, rows: DeviceRows, block_size: int, window: int | None) 
                 block_table=md.block_table[:r], block_size=block_size, row_valid=rows.valid,
                 expected_tokens=rows.record, expected_rows=rows.record_rows, read_starts=read_starts(cached, window))
     landed = torch.where(rows.landed >= 0, rows.landed, cached)
-    step.written_from = torch.minimum(written_from_table(step), landed)
+    step.written_from = torch.minimum(written_from_blocks(step), landed)
     return step
-
-
-def written_from_table(step: Step) -> torch.Tensor:
-    """Per row, the first position it reads (``read_starts`` on, before ``cached_lens``) whose slot
-    this step writes, else ``cached_lens``: for each table entry, the smallest written slot at or
-    past the entry's first read slot, if it falls inside the entry's read span."""
-    bs = step.block_size
-    assert step.block_table is not None and bs is not None
-    table = step.block_table.long()
-    cached, starts = step.cached_lens.long(), step.starts()
-    written = torch.where(step.new_slots >= 0, step.new_slots.long(), _FAR)
-    ordered = torch.cat([torch.sort(written).values, torch.full((1,), _FAR, dtype=torch.int64, device=table.device)])
-    lo_block = torch.arange(table.shape[1], device=table.device) * bs  # each entry's first position
-    lo = torch.maximum(lo_block[None, :], starts[:, None])
-    hi = torch.minimum(lo_block[None, :] + bs, cached[:, None])
-    base = table * bs - lo_block[None, :]  # slot = base + position, inside the entry
-    hit = ordered[torch.searchsorted(ordered, (base + lo).contiguous())]
-    inside = (hi > lo) & (table >= 0) & (hit < base + hi)
-    first = torch.where(inside, hit - base, _FAR).amin(dim=1) if table.shape[1] else cached
-    return torch.minimum(first, cached)

@@ -237,12 +237,13 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         by_layer = get_forward_context().attn_metadata
         if meta.zeroed:  # zeroed bytes: their stamps go too (a read before a write is EMPTY)
             for g in self.groups:
-                g.canary.release(block_slots(meta.zeroed, g.plan.block_size))
+                g.canary.release(block_slots(meta.zeroed, g.plan.block_size, g.canary.device))
         if meta.copies:  # copied blocks carry their source's stamps; their landed bytes are verified
             src, dst = [c[0] for c in meta.copies], [c[1] for c in meta.copies]
             for g in self.groups:
                 bs = g.plan.block_size
-                g.canary.import_stamps(block_slots(dst, bs), g.canary.export_stamps(block_slots(src, bs)))
+                dev = g.canary.device
+                g.canary.import_stamps(block_slots(dst, bs, dev), g.canary.export_stamps(block_slots(src, bs, dev)))
         mds = {g.plan.index: self.metadata(by_layer, g.plan.index) for g in self.groups} if by_layer else {}
         if mds.get(self.primary) is None:
             return  # a dummy forward (profiling, warm-up): nothing to check
@@ -283,7 +284,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
             blocks = torch.cat([b for i, b in written.items() if i != g.plan.index])
             blocks = blocks[(blocks > 0) & (blocks * g.plan.block_size < g.canary.num_slots)]
             if blocks.numel():
-                g.canary.release(block_slots(blocks.tolist(), g.plan.block_size))
+                g.canary.release(block_slots(blocks.tolist(), g.plan.block_size, g.canary.device))
 
     def _verify_first_reads(self, live: list[_Group], rows: Rows) -> None:
         """A request's first step with KV already cached (a local prefix-cache hit) reads blocks it
@@ -349,7 +350,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
                 self.heal.forward(found, reqs, g.plan.block_size, g.canary.num_slots)
                 poisoned = self.heal.take_release()
                 if poisoned:
-                    g.canary.release(block_slots(poisoned, g.plan.block_size))
+                    g.canary.release(block_slots(poisoned, g.plan.block_size, g.canary.device))
         self.report(found, rank=self.rank)
 
     def heal_counts(self) -> dict[str, int]:

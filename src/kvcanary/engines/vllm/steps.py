@@ -129,11 +129,11 @@ def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: 
     positions the kernel reads before the forward; reads of slots the step itself writes, and of KV
     another connector lands this step, from ``written_from``. On CPU metadata with the fused path
     (``fused=None``: whenever it is available) built by compiled loops."""
+    lands = np.fromiter((x.landed_from if x is not None and x.landed_from >= 0 else -1 for x in rows.reqs),
+                        dtype=np.int64, count=len(rows.reqs))
     if _fused(md, fused):
         from kvcanary.engines.vllm.compiled import step_of
 
-        lands = np.fromiter((x.landed_from if x is not None and x.landed_from >= 0 else -1 for x in rows.reqs),
-                            dtype=np.int64, count=len(rows.reqs))
         return step_of(md, rows, block_size, window, lands)
     qsl = md.query_start_loc.long()
     r = qsl.shape[0] - 1
@@ -143,19 +143,22 @@ def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: 
     step = step_from_block_table(md.block_table, block_size, qsl, seq, md.slot_mapping[:n].long(), rows.record,
                                  rows.valid, read_starts(cached, window), expected_rows=rows.record_rows,
                                  new_tokens=rows.new_tokens)
-    landed = torch.tensor([x.landed_from if x is not None and x.landed_from >= 0 else int(c)
-                           for x, c in zip(rows.reqs, cached.tolist())], dtype=torch.int64, device=cached.device)
+    landed = torch.from_numpy(lands)
+    if cached.device.type != "cpu":
+        landed = landed.pin_memory().to(cached.device, non_blocking=True)
     assert step.written_from is not None
-    step.written_from = torch.minimum(step.written_from, landed)  # landed KV is read once it has landed
+    # landed KV is read once it has landed
+    step.written_from = torch.minimum(step.written_from, torch.where(landed >= 0, landed, cached))
     return step
 
 
 def positions_slots(step: Step, row: int, lo: int, hi: int, block_size: int) -> torch.Tensor:
     """The slots of positions ``[lo, hi)`` of ``row`` in ``step``'s table, leaving out positions
     outside the table and the null block (block 0, which tables pad with)."""
+    dev = step.cached_lens.device
     if hi <= lo:
-        return torch.empty(0, dtype=torch.int64)
-    pos = torch.arange(lo, hi)
+        return torch.empty(0, dtype=torch.int64, device=dev)
+    pos = torch.arange(lo, hi, device=dev)
     slots = step.lookup(torch.full_like(pos, row), pos)
     return slots[slots >= block_size]
 
@@ -175,18 +178,18 @@ def written_by(slots: torch.Tensor, writers: torch.Tensor, history: dict[int, li
     if not slots.numel():
         return slots
     w = writers[slots]
-    keep = torch.zeros(slots.shape[0], dtype=torch.bool)
+    keep = torch.zeros(slots.shape[0], dtype=torch.bool, device=slots.device)
     for step in torch.unique(w[:, 0]).tolist():
         rids = history.get(int(step))
         if rids is None:
             continue
-        mine = torch.tensor([r == rid for r in rids] + [False], dtype=torch.bool)
+        mine = torch.tensor([r == rid for r in rids] + [False], dtype=torch.bool, device=slots.device)
         at = w[:, 0] == step
         keep |= at & mine[w[:, 1].clamp(0, len(rids))]
     return slots[keep]
 
 
-def block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
-    """Every slot of ``blocks``, int64 ``[len(blocks) * block_size]``."""
+def block_slots(blocks: list[int], block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Every slot of ``blocks``, int64 ``[len(blocks) * block_size]`` on ``device`` (the pool's)."""
     b = torch.tensor(blocks, dtype=torch.int64)
-    return (b[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+    return (b[:, None] * block_size + torch.arange(block_size)).reshape(-1).to(device)
