@@ -254,7 +254,7 @@ def run_clean(cfg: Any, dtype: str, factor: float = 1.0, impl: str | None = None
 
     t0 = time.perf_counter()
     rec = Recorder(dtype)
-    config = CanaryConfig(mode="log", content_budget_bytes=None, audit_queries=audit_queries)
+    config = CanaryConfig(mode="log", content_budget_bytes=None, audit_queries=audit_queries, audit_budget=None)
     if cfg.arch == REAL:
         cfg = dataclasses.replace(cfg, dtype=dtype)
         with real_model(dtype, impl or "sdpa") as (model, tok), captured() as cap:
@@ -335,7 +335,8 @@ def run_faulty(fc: Any, dtype: str, seed: int, factor: float = 1.0, impl: str | 
         injector = {**CB_FAULTS, **KERNEL_FAULTS}[fc.name]
         fault = CbFault(injector, at=3, seed=seed)
         config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=True,
-                              audit_queries=audit_queries or FULL_AUDIT, audit_every=1)
+                              audit_queries=audit_queries or FULL_AUDIT, audit_every=1,
+                              audit_budget=None)
         rec = Recorder(dtype)
         with captured() as cap, torch.inference_mode(), protect(model, config) as guard:
             rec.attach(guard)

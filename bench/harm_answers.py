@@ -34,7 +34,11 @@ def main() -> int:
     ap.add_argument("--at", type=int, default=3, help="the forward each fault is injected at (default 3)")
     ap.add_argument("--audit-queries", type=int, default=FULL_AUDIT,
                     help=f"audited queries per forward (default {FULL_AUDIT}, the selftest's)")
+    ap.add_argument("--default-audit", action="store_true",
+                    help="the default write check and read audit instead (every forward, within the time budget)")
     args = ap.parse_args()
+    if args.default_audit:
+        args.audit_queries = None
     classes = args.classes.split(",")
     if set(classes) - set(CLASSES):
         ap.error(f"--classes: expected names of {list(CLASSES)}, got {sorted(set(classes) - set(CLASSES))}")

@@ -3,7 +3,8 @@
 Modes: ``off`` (no connector); ``on`` (the connector, default content budget:
 KVCANARY_CONTENT_BUDGET_BYTES unset); ``on_noaudit`` (as ``on``, without the write check and read
 audit: KVCANARY_WRITE_CHECK=0 KVCANARY_AUDIT_QUERIES=0, so ``x_off`` of ``on`` minus that of
-``on_noaudit`` is the audit's added wall time); ``on_full`` (every read byte verified:
+``on_noaudit`` is the audit's added wall time); ``on_before`` (the write check and read audit as
+they were before they ran on every forward: every fourth forward, 4 queries, no time budget); ``on_full`` (every read byte verified:
 KVCANARY_CONTENT_BUDGET_BYTES=none); ``on_meta`` (metadata only: KVCANARY_CONTENT=none). ``--modes``
 picks some (``off`` always runs). Every round runs each mode once in that order, so off and on runs alternate over ``--rounds`` rounds; each run is
 a fresh vLLM engine in its own process (:func:`kvcanary.faults.vllm_runner.run_in_subprocess`: vLLM
@@ -48,6 +49,7 @@ MODES: dict[str, dict[str, str] | None] = {
     "off": None,
     "on": {},
     "on_noaudit": {"KVCANARY_WRITE_CHECK": "0", "KVCANARY_AUDIT_QUERIES": "0"},
+    "on_before": {"KVCANARY_AUDIT_EVERY": "4", "KVCANARY_AUDIT_QUERIES": "4", "KVCANARY_AUDIT_BUDGET": "none"},
     "on_full": {"KVCANARY_CONTENT_BUDGET_BYTES": "none"},
     "on_meta": {"KVCANARY_CONTENT": "none"},
 }

@@ -38,7 +38,10 @@ STAGES = [
     ("kvcanary.engines.vllm.audit", "VllmAudit", "begin", "  audit plan"),
     ("kvcanary.engines.vllm.audit", "VllmAudit", "_check", "per-layer checks (write check, read audit)"),
     ("kvcanary.engines.audit", "EngineAudit", "run_compiled", "  compiled call"),
+    ("kvcanary.engines.vllm.entry", "KvCanaryConnector.model_positions", "__wrapped__", "position check"),
+    ("kvcanary.engines.vllm.audit", "_Wide", "keep", "per-layer keep (write check, audited rows copied)"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.after_forward", "__wrapped__", "after-forward hook"),
+    ("kvcanary.engines.vllm.audit", "VllmAudit", "finish", "  read audit after the forward (one call)"),
     ("kvcanary.canary", "Canary", "after_forward", "  canary.after_forward (stamp, guard, patrol)"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector", "report_and_heal", "  report and heal"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector", "publish_metrics", "  metrics"),
@@ -46,8 +49,10 @@ STAGES = [
     ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "update_state_after_alloc", "scheduler: after alloc"),
     ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "request_finished", "scheduler: request finished"),
 ]
-CANARY = ("before-forward hook", "per-layer checks (write check, read audit)", "after-forward hook")
-PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call")
+CANARY = ("before-forward hook", "position check", "per-layer checks (write check, read audit)",
+          "per-layer keep (write check, audited rows copied)", "after-forward hook")
+PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call",
+            "per-layer keep (write check, audited rows copied)")
 
 
 def _install(spent: dict[str, float], calls: dict[str, int]) -> None:

@@ -20,6 +20,8 @@ VLLM_FAULTS = {
     "write_null_block": {"CONTENT"},
     "keep_rejected_drafts": {"EMPTY", "POSITION", "LINK", "TOKEN"},
     "rollback_one_short": {"EMPTY", "POSITION", "LINK", "TOKEN"},
+    # the model forward's positions shifted for one request: the stamp check against its cached length
+    "position_shift": {"WRITE_INPUT_POSITION", "WRITE_POSITION"},
     # inside the first layer's attention (kvcanary.audit): found with the audit, missed without it
     "kernel_read_next_page": {"ATTENTION"},
     "kernel_write_zeros": {"WRITE_CONTENT"},

@@ -49,6 +49,18 @@ def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, cfg):
         assert st["slots_verified_after_write"] > 0
 
 
+def test_the_canarys_own_failures_never_reach_the_engine_in_log_mode(tiny_llama):
+    """From the third forward on, the per-layer checks and the position check raise inside the worker:
+    the engine generates what it generates without the canary, the failures are counted, nothing is
+    reported."""
+    base = engine(tiny_llama)
+    run = engine(tiny_llama, canary=True, fault="canary_fails")
+    st = run["stats"]
+    assert run["fault"]["failing"]
+    assert sorted(run["tokens"].values()) == sorted(base["tokens"].values())
+    assert st["internal_errors"] > 0 and run["violations"] == []
+
+
 def test_metadata_only_checks_every_forward_with_the_audit_on(tiny_llama):
     """KVCANARY_CONTENT=none (no content fingerprints): every forward is verified, stamped and
     audited without an internal error (the write check's token budget comes from the engine's own

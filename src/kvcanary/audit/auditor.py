@@ -44,10 +44,11 @@ class Auditor:
         newest token, rotating over layers and heads. ``lengths``: each row's new tokens (rows
         without any are skipped).
 
-        The rotation walks the layers fastest; each pass over them (``k``) takes the next row
-        (``k % R``) and the next head, shifted by one every ``R`` passes (``(k + k // R) % H``): every
-        (layer, head) pair comes round within about ``(H + 1) * L`` queries, every (layer, row) pair
-        within ``R * L`` and every (layer, row, head) triple within ``R * H * L``."""
+        The rotation walks the layers fastest; pass ``k`` over them takes row ``k % R`` and head
+        ``(k % R + k // R) % H`` (each block of ``R`` passes shifts the rows' heads by one): every
+        (layer, row) pair comes round within ``R * L`` queries, every (layer, row, head) triple
+        within ``R * H * L``, and every (layer, head) pair within ``H * L`` where the batch has at
+        least ``H`` rows (else ``(H - R + 1) * R * L``)."""
         rows = [r for r, n in enumerate(lengths) if n > 0]
         if not rows or not layers or self.queries <= 0:
             return []
@@ -56,8 +57,9 @@ class Auditor:
             c = self.turn
             self.turn += 1
             k = c // len(layers)
-            r = rows[k % len(rows)]
-            out.append((layers[c % len(layers)], r, k % lengths[r], (k + k // len(rows)) % heads))
+            i = k % len(rows)
+            r = rows[i]
+            out.append((layers[c % len(layers)], r, k % lengths[r], (i + k // len(rows)) % heads))
         for r in focus:
             if lengths[r] <= 0:
                 continue

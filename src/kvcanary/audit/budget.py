@@ -17,10 +17,11 @@ Requests in a new situation of their own get :data:`FOCUS` queries of their own 
 on top of the count (rotating over layers and heads): a request's first forward that reads a prefix
 it did not write (a prefix-cache hit), and its first decode.
 
-Coverage bound: with ``n`` queries a forward over ``L`` audited layers and ``R`` rows with new
-tokens, the rotation (layers fastest, then rows, then heads) audits every (layer, row) pair of a
-steady batch within ``ceil(L * R / n)`` forwards and every (layer, row, head) triple within ``H``
-times that.
+Coverage bound: with ``n`` queries a forward over ``L`` audited layers, ``R`` rows with new
+tokens and ``H`` heads, the rotation (:meth:`kvcanary.audit.auditor.Auditor.pick`) audits every
+(layer, row) pair of a steady batch within ``ceil(L * R / n)`` forwards, every (layer, row, head)
+triple within ``ceil(L * R * H / n)``, and every (layer, head) pair within ``ceil(L * H / n)`` where
+the batch has at least ``H`` rows.
 """
 
 from __future__ import annotations

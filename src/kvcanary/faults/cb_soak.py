@@ -8,7 +8,8 @@ configuration says float32, prompted with real text through its chat template), 
 sampling, tight memory (evictions and soft resets), CPU offloading, a warm persistent manager whose
 prefix cache already holds blocks written before protection, shared-prefix prompts and chunked
 prefill. :func:`run_cb_config` runs one configuration once without and once with
-``protect(model, CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16))``
+``protect(model, CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16,
+                                                                                     audit_budget=None))``
 (every read byte verified, every forward audited); a clean engine must
 give no violation, no internal error, no failed request, no exception and the same tokens.
 Violations are read from the protection and from each canary's history (a raise-mode error may die
@@ -335,7 +336,8 @@ def run_cb_config(cfg: CbConfig, hooks: Sequence[Any] = ()) -> dict[str, Any]:
     with _quiet():
         base = session(model, cfg, None, tokenizer=tok)
         # every read byte verified, and the write check and read audit on every forward
-        run = session(model, cfg, CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16),
+        run = session(model, cfg, CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16,
+                                                                                     audit_budget=None),
                       hooks, tok)
         same: bool | None = tokens(run.out) == tokens(base.out)
         if not same and not run.error:

@@ -227,7 +227,7 @@ def _run_transformers(fc: FaultClass, seed: int, model: Any, audit: bool) -> Fau
             mode="log", content_budget_bytes=None, write_check=False, audit_queries=0)
     else:
         config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=audit,
-                              audit_queries=FULL_AUDIT if audit else 0, audit_every=1)
+                              audit_queries=FULL_AUDIT if audit else 0, audit_every=1, audit_budget=None)
     restore = _quiet()
     try:
         with torch.inference_mode(), protect(model, config) as guard:

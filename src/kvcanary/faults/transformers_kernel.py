@@ -137,8 +137,9 @@ def v_rescaled(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: 
     return True
 
 
-def write_zeros(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
-    """The cache write of one layer lands zeros instead of the computed K and V."""
+def _zeroed_writes(prot: Any, detail: dict, halves: tuple[str, ...], strikes: Any, first_only: bool) -> bool:
+    """The cache write of the first layer lands zeros in ``halves`` ("k", "v") of its written slots
+    (``first_only``: of the first one) on the forwards ``strikes`` accepts."""
     picked = _layer(prot)
     if picked is None:
         return False
@@ -147,16 +148,24 @@ def write_zeros(prot: Any, runner: Any, batch: dict, rng: random.Random, detail:
 
     def tap(original: Any, cache: Any, key: Any, value: Any, layer_idx: int, kwargs: dict) -> Any:
         out = original(cache, key, value, layer_idx, kwargs)
-        if layer_idx == layer and "write_index" in kwargs:
+        if layer_idx == layer and strikes(prot.forwards) and "write_index" in kwargs:
             write = kwargs["write_index"][g.index].long()
             slots = g.compact(write[write != g.trash])
-            geom.set_rows("k", slots, 0)
-            geom.set_rows("v", slots, 0)
+            if first_only and slots.numel():
+                slots = slots[:1]
+                detail["slot"] = int(slots[0])
+            for half in halves:
+                geom.set_rows(half, slots, 0)
         return out
 
     prot.audit.taps["update"] = tap
     detail.update(layer=layer)
     return True
+
+
+def write_zeros(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """The cache write of one layer lands zeros instead of the computed K and V."""
+    return _zeroed_writes(prot, detail, ("k", "v"), lambda f: True, first_only=False)
 
 
 def window_one_short(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
@@ -230,26 +239,8 @@ def intermittent_scale(prot: Any, runner: Any, batch: dict, rng: random.Random, 
 
 def one_v_row_zeroed(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
     """Once: the cache write of one layer lands zeros for one token's V (a one-off write error)."""
-    picked = _layer(prot)
-    if picked is None:
-        return False
-    g, layer = picked
-    geom = g.pages.layer(layer)
     when = prot.forwards
-
-    def tap(original: Any, cache: Any, key: Any, value: Any, layer_idx: int, kwargs: dict) -> Any:
-        out = original(cache, key, value, layer_idx, kwargs)
-        if layer_idx == layer and prot.forwards == when and "write_index" in kwargs:
-            write = kwargs["write_index"][g.index].long()
-            slots = g.compact(write[write != g.trash])
-            if slots.numel():
-                geom.set_rows("v", slots[:1], 0)
-                detail["slot"] = int(slots[0])
-        return out
-
-    prot.audit.taps["update"] = tap
-    detail.update(layer=layer)
-    return True
+    return _zeroed_writes(prot, detail, ("v",), lambda f: f == when, first_only=True)
 
 
 def head_zeroed(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:

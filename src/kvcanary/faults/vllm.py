@@ -372,10 +372,29 @@ def position_shift(conn: Any, md: Any, meta: Any, rng: random.Random, detail: di
     return True
 
 
+def canary_fails(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    """Not a corruption: from this forward on, the canary's own per-layer checks and position check
+    raise (a bug of kvcanary's), to show that ``log`` mode keeps it from the engine and that it
+    turns into no report."""
+    from kvcanary.engines.vllm.entry import KvCanaryConnector
+    from kvcanary.fused import audit as fused_audit
+
+    def boom(*a: Any, **kw: Any) -> None:
+        raise RuntimeError("a failure inside the canary (injected)")
+
+    # the compiled loops of the write check and read audit, inside and after each layer's forward
+    fused_audit.keep_layer = boom
+    fused_audit.check_forward = boom
+    KvCanaryConnector.model_positions.__wrapped__ = boom  # type: ignore[attr-defined]
+    detail.update(failing=["write check and read audit", "position check"])
+    return True
+
+
 PERSISTENT = {"redirect_stuck": _redirect_again}  # faults applied again in every later forward
 INJECTORS = {"flip_k": _flip("k"), "flip_v": _flip("v"), "redirect": redirect, "reuse": reuse, "zero": zero,
              "flip_first_read": flip_first_read, "write_null_block": write_null_block,
              "keep_rejected_drafts": _kept_drafts(True), "rollback_one_short": _kept_drafts(False),
              "redirect_stuck": redirect_stuck, "flip_cold": flip_cold,
              "kernel_read_next_page": kernel_read_next_page, "kernel_write_zeros": kernel_write_zeros,
-             "kernel_scale_of_one": kernel_scale_of_one, "position_shift": position_shift}
+             "kernel_scale_of_one": kernel_scale_of_one, "position_shift": position_shift,
+             "canary_fails": canary_fails}

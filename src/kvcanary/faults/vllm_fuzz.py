@@ -174,7 +174,8 @@ def _env(cfg: FuzzConfig, canary: bool, scratch: str) -> dict[str, str | None]:
         env.update({"KVCANARY_MODE": "raise", "KVCANARY_CONTENT_BUDGET_BYTES": "none" if cfg.every_byte else "auto",
                     "KVCANARY_VIOLATIONS_LOG": os.path.join(scratch, "violations.jsonl")})
         if cfg.audit:
-            env.update({"KVCANARY_AUDIT_QUERIES": str(cfg.audit), "KVCANARY_AUDIT_EVERY": "1"})
+            env.update({"KVCANARY_AUDIT_QUERIES": str(cfg.audit), "KVCANARY_AUDIT_EVERY": "1",
+                        "KVCANARY_AUDIT_BUDGET": "none"})
         if cfg.tensor_parallel > 1:  # the workers' counters come back through the metrics directory
             prom = os.path.join(scratch, "prom")
             os.makedirs(prom, exist_ok=True)

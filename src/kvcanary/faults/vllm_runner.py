@@ -85,7 +85,8 @@ FAULTS: tuple[FaultSpec, ...] = (
     # the positions the model forward is given, one request's shifted for one forward (default config)
     _spec("position_shift", "position_shift"),
     # inside the first layer's forward (kvcanary.audit), every request and layer audited each forward
-    *(FaultSpec(name, cls, BY_NAME[cls].checks, 1, (("KVCANARY_AUDIT_QUERIES", "64"), ("KVCANARY_AUDIT_EVERY", "1")),
+    *(FaultSpec(name, cls, BY_NAME[cls].checks, 1, (("KVCANARY_AUDIT_QUERIES", "64"), ("KVCANARY_AUDIT_EVERY", "1"),
+                                                            ("KVCANARY_AUDIT_BUDGET", "none")),
                 audit=True)
       for name, cls in (("kernel_read_next_page", "attention_read_bug"), ("kernel_write_zeros", "write_lands_zeros"),
                         ("kernel_scale_of_one", "wrong_softmax_scale"))),

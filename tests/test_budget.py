@@ -1,0 +1,84 @@
+"""The read audit's count per forward (kvcanary.audit.budget) and the rotation's coverage
+(kvcanary.audit.auditor)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kvcanary.audit.auditor import Auditor
+from kvcanary.audit.budget import FOCUS, WARM, QueryBudget, shape_class
+
+
+def test_new_situations_get_the_full_count_and_known_ones_follow_the_time_budget():
+    b = QueryBudget(64, 0.01)
+    assert [b.plan("decode") for _ in range(WARM)] == [64] * WARM  # the first forwards after start
+    # each query costs 10 us of a 10 ms forward: 1 % is 100 us, 10 queries; the count at most doubles
+    counts = []
+    for _ in range(12):
+        n = b.plan("decode")
+        counts.append(n)
+        b.observe(n, n * 10e-6, 10e-3)
+    assert counts[0] == 1 and counts[1] == 2 and counts[2] == 4 and counts[-1] == 10
+    assert b.plan("prefill") == 64  # another situation: the full count once
+    b.observe(64, 64 * 10e-6, 10e-3)
+    assert b.plan("prefill") == 10
+
+
+def test_an_audit_dearer_than_its_budget_still_audits_one_query_a_forward():
+    b = QueryBudget(64, 0.01)
+    for _ in range(WARM):
+        b.plan(0)
+    for _ in range(5):
+        n = b.plan(0)
+        b.observe(n, 1e-3, 1e-3)  # the audit costs as much as the forward
+    assert b.plan(0) == 1
+
+
+def test_without_a_budget_every_forward_audits_the_configured_count():
+    b = QueryBudget(16, None)
+    for _ in range(WARM + 5):
+        assert b.plan(0) == 16
+        b.observe(16, 1.0, 1e-3)
+
+
+@pytest.mark.parametrize("layers,rows,heads", [(2, 20, 4), (30, 16, 9), (4, 3, 8), (1, 1, 1)])
+def test_the_rotation_covers_pairs_and_triples_within_its_stated_bounds(layers, rows, heads):
+    a = Auditor(1, None)
+    picks = [a.pick(list(range(layers)), [1] * rows, heads, 1)[0] for _ in range(rows * heads * layers)]
+    bound = heads if rows >= heads else (heads - rows + 1) * rows
+    pairs_lh = {(lay, h) for lay, _, _, h in picks[: bound * layers]}
+    pairs_lr = {(lay, r) for lay, r, _, _ in picks[: rows * layers]}
+    triples = {(lay, r, h) for lay, r, _, h in picks}
+    assert len(pairs_lh) == layers * heads and len(pairs_lr) == layers * rows
+    assert len(triples) == layers * rows * heads
+
+
+def test_focus_rows_get_their_own_queries_on_their_newest_token():
+    a = Auditor(64, None)
+    out = a.pick([0, 1, 2], [5, 1, 7], 4, count=2, focus=[2], per_focus=FOCUS)
+    assert len(out) == 2 + FOCUS
+    mine = out[2:]
+    assert {r for _, r, _, _ in mine} == {2} and {off for _, _, off, _ in mine} == {6}
+    assert len({lay for lay, _, _, _ in mine}) == 3  # spread over the layers
+
+
+def test_shape_classes_are_decode_or_prefill_and_rows_to_a_power_of_two():
+    assert shape_class(16, False) == shape_class(9, False) == (False, 16)
+    assert shape_class(17, False) == (False, 32) and shape_class(1, True) == (True, 1)
+
+
+def test_a_request_gets_focus_queries_at_its_first_prefix_hit_and_its_first_decode():
+    from kvcanary.config import CanaryConfig
+    from kvcanary.engines.audit import EngineAudit
+
+    class _Adapter:
+        config = CanaryConfig()
+        seconds = 0.0
+
+    audit = EngineAudit(_Adapter(), 4)
+    assert audit._focus(["a", "b"], np.array([8, 8]), np.array([0, 16])) == [1]  # b read a cached prefix
+    assert audit._focus(["a", "b"], np.array([8, 1]), np.array([8, 24])) == [1]  # b's first decode; a's chunk
+    assert audit._focus(["a", "b"], np.array([1, 1]), np.array([16, 25])) == [0]  # a's first decode only
+    assert audit._focus(["a", "b"], np.array([1, 1]), np.array([17, 26])) == []
+    assert math.isclose(audit.budget.share, 0.01)
