@@ -22,7 +22,23 @@ def test_new_situations_get_the_full_count_and_known_ones_follow_the_time_budget
     assert counts[0] == 1 and counts[1] == 2 and counts[2] == 4 and counts[-1] == 10
     assert b.plan("prefill") == 64  # another situation: the full count once
     b.observe(64, 64 * 10e-6, 10e-3)
-    assert b.plan("prefill") == 10
+    after = []
+    for _ in range(12):  # its 540 us over the share paid back by smaller counts, then the budget's again
+        n = b.plan("prefill")
+        after.append(n)
+        b.observe(n, n * 10e-6, 10e-3)
+    assert after[0] == 1 and after[-1] == 10 and sum(after) < 10 * len(after) - 40
+
+
+def test_over_a_run_the_audit_keeps_to_its_share_despite_new_situations():
+    b = QueryBudget(64, 0.01)
+    spent = total = 0.0
+    for f in range(400):
+        n = b.plan(f // 50)  # a new situation every 50 forwards
+        b.observe(n, n * 10e-6, 10e-3)
+        if f >= WARM:
+            spent, total = spent + n * 10e-6, total + 10e-3
+    assert spent / total <= 0.0105
 
 
 def test_an_audit_dearer_than_its_budget_still_audits_one_query_a_forward():

@@ -3,9 +3,12 @@ where something is new.
 
 Every audited forward gets at least one query. On a forward in a known situation the count follows
 the time budget (``CanaryConfig.audit_budget``, a share of the forward's wall time): after each
-forward the audit's measured seconds are set against the forward's, and the next forward's count is
-scaled towards the count that fits (at most doubling per forward, never above
-``CanaryConfig.audit_queries``). A faulty kernel path taken for the first time is where a brief
+forward the audit's measured seconds are set against the forward's and kept as a balance (what the
+audit spent over or under its share, saved up to one forward's share, owed up to ten), and the next
+forward audits as many queries as its share and the balance pay for at the measured seconds per
+query (at most doubling per forward, never above ``CanaryConfig.audit_queries``). The full counts of
+new situations are paid back by smaller counts after them, so over a run the audit keeps to its
+share wherever one query a forward fits in it. A faulty kernel path taken for the first time is where a brief
 fault lives, so a forward in a new situation audits the full ``audit_queries``:
 
 - the first :data:`WARM` audited forwards after start;
@@ -48,6 +51,7 @@ class QueryBudget:
         self.audited = 0  # forwards planned so far
         self.count = queries if share is None else 1  # this forward's count in a known situation
         self.per_query: float | None = None  # the audit's measured seconds per query (smoothed)
+        self.balance = 0.0  # seconds the audit spent under (+) or over (-) its share so far, bounded
         self.situation: Hashable = None
         self.new = 0  # forwards audited at the full count because their situation was new
         self._planned = 0
@@ -70,7 +74,9 @@ class QueryBudget:
             return
         per = audit_s / queries
         self.per_query = per if self.per_query is None else (1 - _SMOOTH) * self.per_query + _SMOOTH * per
-        fits = self.share * forward_s / max(self.per_query, 1e-9)
+        allowed = self.share * forward_s
+        self.balance = min(max(self.balance + allowed - audit_s, -10 * allowed), allowed)
+        fits = (allowed + self.balance) / max(self.per_query, 1e-9)
         self.count = int(max(1, min(self.queries, fits, GROWTH * max(self.count, 1))))
 
     def stats(self) -> dict[str, int]:

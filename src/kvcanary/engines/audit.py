@@ -90,7 +90,7 @@ class EngineAudit:
         on each row of ``rids`` (the rows' requests) in a new situation of its own; ``layer_id``: a
         layer's number in the records; ``last_token``: a layer whose queries are its rows' last new
         tokens (a window group caches only a prefill's last ones)."""
-        self._opened = t0 = time.perf_counter()
+        self._opened, self.spent = time.perf_counter(), 0.0
         count = self.budget.plan(situation)
         focus = self._focus(rids, lengths, cached) if rids is not None else []
         out = []
@@ -101,7 +101,6 @@ class EngineAudit:
                 off = int(lengths[r]) - 1
             out.append(Query(layer_id(layer), r, int(starts[r] + off), head, int(cached[r] + off), int(cached[r]),
                              group_of(layer)))
-        self.spent = time.perf_counter() - t0
         return out
 
     def _focus(self, rids: Sequence[str], lengths: np.ndarray, cached: np.ndarray) -> list[int]:
@@ -218,6 +217,10 @@ class EngineAudit:
         it), the failure counted or, in ``raise`` mode, raised."""
         self.fa = None
         self.auditor.failed(self.adapter, e)
+
+    def planned(self, t0: float) -> None:
+        """The forward's audit planned (since ``t0``): the planning's seconds are the budget's too."""
+        self.spent += time.perf_counter() - t0
 
     def charge(self, seconds: float) -> None:
         """Seconds the audit spent inside the forward: the adapter's canary time, and the budget's."""

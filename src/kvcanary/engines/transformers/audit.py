@@ -92,6 +92,7 @@ class CbAudit(EngineAudit):
 
     def begin(self, steps: dict[str, Any], reqs: list, batch: dict, forwards: int) -> None:
         """Plan this forward's write checks and audited queries (host work from the requests' lengths)."""
+        t0 = time.perf_counter()
         self.fa, self.plans, self._qt, self._fl = None, {}, None, None
         self.write_tokens = self.write_index = None
         self.stash.clear()
@@ -121,6 +122,7 @@ class CbAudit(EngineAudit):
         self.start(forwards, cu, past, {name: st.new_slots for name, st in steps.items()}, queries, self._dev,
                    host=self.fused)
         self.pick_writes(total, self._dev)
+        self.planned(t0)
 
     def _plan_fused(self, queries: list[Any]) -> None:
         """The compiled loop's query table and floats (:mod:`kvcanary.audit.tables`)."""

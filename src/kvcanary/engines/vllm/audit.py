@@ -170,7 +170,7 @@ class VllmAudit(EngineAudit):
                 known = self._static.get(name)
                 if known is not None and known.compiled:
                     self._tables[name] = self._table(name, known)
-        self.spent += time.perf_counter() - t0
+        self.planned(t0)
 
     def _deferred(self, live: list[Any], layers: list[str], queries: list[Any]) -> "_Wide | None":
         """This forward's checks as one compiled call after it (:class:`_Wide`), where every covered
