@@ -137,7 +137,11 @@ def canary(reference, plain, tiny_llama, tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    yield Canary(eng, where)
+    c = Canary(eng, where)
+    # one request, so that the scheduler's first forward binds the canary to the pool (state.json)
+    eng.generate(input_ids=[[5, 6, 7]], sampling_params={"temperature": 0, "max_new_tokens": 2})
+    assert c.state()["stats"]["forwards"] >= 2, c.state()
+    yield c
     eng.shutdown()
 
 
