@@ -41,6 +41,8 @@ def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, cfg):
     assert st["slots_verified"] > 0 and st["content_bytes_verified"] > 0 and st["slots_stamped"] > 0
     assert sorted(run["tokens"].values()) == sorted(base["tokens"].values())
     assert run["loop_signatures_added"] == []  # kvcanary warmup compiled every loop a default run calls
+    # every forward audited (at least one query each), all but the first in one compiled call after it
+    assert st["audit_queries"] >= st["forwards"] and st["audit_forwards_one_call"] >= st["forwards"] - 1 > 0
     if "num_blocks" in cfg:
         assert run["preemptions"] > 0  # the small pool did force preemption
     if not cfg:  # one batch of shared prefixes: prefix hits computed in the same forward, verified after it

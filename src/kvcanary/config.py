@@ -65,12 +65,16 @@ class CanaryConfig:
     repair_limit : ``repair`` mode: repairs of one request after which it fails instead (corruption
         that recomputing does not fix, such as a table pointing at the wrong block, must not loop)
     write_check : engine adapters compare the K and V each layer computed with what the cache holds
-        at the new tokens' slots after the write (:mod:`kvcanary.audit`), within ``content_budget_bytes``
-    audit_queries : queries per forward whose attention output is recomputed in fp32 from the
-        verified cache and compared with the engine's (rotating over layers, requests and heads);
+        at every new token's slot after the write (:mod:`kvcanary.audit`), in every layer
+    audit_queries : the most queries a forward audits (its attention output recomputed in fp32 from
+        the verified cache and compared with the engine's, rotating over layers, requests and
+        heads), and how many a forward in a new situation audits (:mod:`kvcanary.audit.budget`);
         0 turns the read audit off
-    audit_every : the write check and the read audit run on every ``audit_every``-th forward (1: on
-        every forward); the rotation carries on where it stopped
+    audit_budget : the share of a forward's wall time the write check and read audit may take on
+        forwards in known situations: each such forward audits as many queries as fit, at least
+        one; ``None``: every audited forward audits ``audit_queries``
+    audit_every : the write check and the read audit run on every ``audit_every``-th forward (1, the
+        default: on every forward); the rotation carries on where it stopped
     audit_tolerance : the largest accepted error of an audited query, as a fraction of the largest
         |V| it reads, below 2 (no wrong weighting of V rows errs by 2 or more, so 2 would switch the
         audit off: ``audit_queries=0`` does that); ``None``: derived from the compute dtype and the
@@ -91,8 +95,9 @@ class CanaryConfig:
     metrics_port: int | None = None
     repair_limit: int = 2
     write_check: bool = True
-    audit_queries: int = 4
-    audit_every: int = 4
+    audit_queries: int = 64
+    audit_budget: float | None = 0.01
+    audit_every: int = 1
     audit_tolerance: float | None = None
 
     def __post_init__(self) -> None:
@@ -137,6 +142,10 @@ class CanaryConfig:
             raise ConfigError(f"write_check: expected True or False, got {_shown(self.write_check)}")
         if not (_is_int(self.audit_queries) and 0 <= self.audit_queries <= 4096):
             raise ConfigError(f"audit_queries: expected an integer in 0 .. 4096, got {_shown(self.audit_queries)}")
+        ab = self.audit_budget
+        if ab is not None and not (isinstance(ab, (int, float)) and not isinstance(ab, bool) and 0 < ab <= 1):
+            raise ConfigError(f"audit_budget: expected a share of the forward's time in (0, 1] (0.01: 1 %) or None, "
+                              f"got {_shown(ab)}")
         if not (_is_int(self.audit_every) and self.audit_every >= 1):
             raise ConfigError(f"audit_every: expected an integer >= 1, got {_shown(self.audit_every)}")
         t = self.audit_tolerance
@@ -275,6 +284,15 @@ def _tolerance(s: str) -> float | None:
         raise ValueError(f"expected a positive number or 'auto', got {s!r}") from None
 
 
+def _share(s: str) -> float | None:
+    if s.strip().lower() in ("none", "off"):
+        return None
+    try:
+        return float(s)
+    except ValueError:
+        raise ValueError(f"expected a share in (0, 1] such as 0.01, or 'none', got {s!r}") from None
+
+
 def _bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "on"):
@@ -300,6 +318,7 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_REPAIR_LIMIT": ("repair_limit", _int),
     "KVCANARY_WRITE_CHECK": ("write_check", _bool),
     "KVCANARY_AUDIT_QUERIES": ("audit_queries", _int),
+    "KVCANARY_AUDIT_BUDGET": ("audit_budget", _share),
     "KVCANARY_AUDIT_EVERY": ("audit_every", _int),
     "KVCANARY_AUDIT_TOLERANCE": ("audit_tolerance", _tolerance),
 }

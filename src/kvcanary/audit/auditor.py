@@ -30,27 +30,41 @@ class Auditor:
         self.queries = queries
         self.fixed_tolerance = tolerance
         self.turn = 0  # rotation counter: one per sampled query
+        self.focus_turn = 0  # and one per query of a request in a new situation
         self.pending: list[ForwardAudit] = []
         self.counts = {"audit_queries": 0, "write_slots_checked": 0, "write_bytes_checked": 0}
         self.errors: list[float] | None = None  # every audited query's error, where recorded (calibration)
         self.ratios: list[float] = []  # and its error over its tolerance
         self.failures = 0  # forwards whose audit failed (an internal error, counted)
 
-    def pick(self, layers: Sequence[int], lengths: Sequence[int], heads: int) -> list[tuple[int, int, int, int]]:
-        """This forward's sampled queries as ``(layer, row, token offset in the row, head)``: the
-        rotation walks layers fastest, then rows, then heads, so every combination comes round.
-        ``lengths``: each row's new tokens (rows without any are skipped)."""
+    def pick(self, layers: Sequence[int], lengths: Sequence[int], heads: int, count: int | None = None,
+             focus: Sequence[int] = (), per_focus: int = 0) -> list[tuple[int, int, int, int]]:
+        """This forward's sampled queries as ``(layer, row, token offset in the row, head)``: ``count``
+        (default: ``queries``) from the rotation, then ``per_focus`` on each row of ``focus``, on its
+        newest token, rotating over layers and heads. ``lengths``: each row's new tokens (rows
+        without any are skipped).
+
+        The rotation walks the layers fastest; each pass over them (``k``) takes the next row
+        (``k % R``) and the next head, shifted by one every ``R`` passes (``(k + k // R) % H``): every
+        (layer, head) pair comes round within about ``(H + 1) * L`` queries, every (layer, row) pair
+        within ``R * L`` and every (layer, row, head) triple within ``R * H * L``."""
         rows = [r for r, n in enumerate(lengths) if n > 0]
         if not rows or not layers or self.queries <= 0:
             return []
         out = []
-        for _ in range(self.queries):
+        for _ in range(self.queries if count is None else count):
             c = self.turn
             self.turn += 1
-            layer = layers[c % len(layers)]
-            r = rows[(c // len(layers)) % len(rows)]
-            head = (c // len(layers) // len(rows) + c) % heads
-            out.append((layer, r, (c // len(layers)) % lengths[r], head))
+            k = c // len(layers)
+            r = rows[k % len(rows)]
+            out.append((layers[c % len(layers)], r, k % lengths[r], (k + k // len(rows)) % heads))
+        for r in focus:
+            if lengths[r] <= 0:
+                continue
+            for _ in range(per_focus):
+                c = self.focus_turn
+                self.focus_turn += 1
+                out.append((layers[c % len(layers)], r, lengths[r] - 1, (c // len(layers) + c) % heads))
         return out
 
     def begin(self, fa: ForwardAudit) -> ForwardAudit:

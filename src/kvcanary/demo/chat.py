@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -11,7 +10,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from kvcanary.config import CanaryConfig
-from kvcanary.demo.common import caused_by, coverage, pool_fits, print_chat, setup_time, violation_report
+from kvcanary.demo.common import caused_by, coverage, finish_chat, pool_fits, setup_time, violation_report
 from kvcanary.real_model import QUESTIONS  # the questions share one system prompt (SYSTEM_PROMPT)
 
 
@@ -122,16 +121,11 @@ def run(args: argparse.Namespace, config: CanaryConfig) -> int:
         "answers": [{"question": q, "without_canary": c, "with_canary": text(o), "identical": s}
                     for q, c, o, s in zip(questions, clean, out, same)],
     }
-    ok = all(same) and st["violations"] == 0 and st["internal_errors"] == 0
+    good = True
     if args.inject:
         found, repaired, rep, good = _faults(args, config, model, generate, text, clean, questions)
         summary["injected"], summary["repair_run"], summary["report"] = found, repaired, rep
-        ok = ok and good
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print_chat(summary)
-    return 0 if ok else 1
+    return finish_chat(summary, st, same, good, args.json)
 
 
 def _faults(args: argparse.Namespace, config: CanaryConfig, model: Any, generate: Callable[..., Any],

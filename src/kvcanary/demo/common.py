@@ -169,6 +169,18 @@ def print_chat(summary: dict[str, Any]) -> None:
               f"(page written: {rep['html']})")
 
 
+def finish_chat(summary: dict[str, Any], st: dict[str, Any], same: list[bool], good: bool, as_json: bool) -> int:
+    """Print a chat demo's summary (JSON or the side-by-side text) and return its exit status: 0 when
+    every answer was identical with the canary on, nothing was reported, the canary had no internal
+    error and the fault runs (if any) went as expected (``good``)."""
+    ok = all(same) and st["violations"] == 0 and st["internal_errors"] == 0 and good
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        print_chat(summary)
+    return 0 if ok else 1
+
+
 def _print_fault(f: dict[str, Any]) -> None:
     print(f"\n  fault {f['fault']} at forward {f['injected_at_forward']}: {f['detail']}")
     if f.get("repair_detail"):  # vLLM: the repair engine's run found its target elsewhere

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from typing import Any, Callable
 from kvcanary import real_model
 from kvcanary.config import CanaryConfig
 from kvcanary.real_model import QUESTIONS
-from kvcanary.demo.common import coverage, pool_fits, print_chat, violation_report
+from kvcanary.demo.common import coverage, finish_chat, pool_fits, violation_report
 
 BLOCK = 32  # the demo engine's block size (vLLM's CPU attention takes multiples of 32)
 CONTEXT = 512  # the demo engine's max_model_len
@@ -108,15 +107,8 @@ def run(args: argparse.Namespace, config: CanaryConfig) -> int:
                      "identical": s, "prefix_cached_tokens": k}
                     for i, (q, c, t, s, k) in enumerate(zip(questions, clean, r["tokens"], same, r["cached_tokens"]))],
     }
-    ok = all(same) and st["violations"] == 0 and st["internal_errors"] == 0
-    if faults is not None:
-        good = _judge(summary, faults, off, clean, questions, text)
-        ok = ok and good
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print_chat(summary)
-    return 0 if ok else 1
+    good = faults is None or _judge(summary, faults, off, clean, questions, text)
+    return finish_chat(summary, st, same, good, args.json)
 
 
 def _load(args: argparse.Namespace) -> tuple[str, Any, int, float, bool] | str:

@@ -4,8 +4,9 @@ An engine's audit (``engines/<engine>/audit.py``) knows where a forward's tensor
 layer's computed K and V, queries and outputs it is handed, and its attention's scale, window,
 soft-cap and sinks. Everything else is here, once:
 
-- planning a forward on the host: which tokens' writes are checked (all of them, or a rotating
-  share within the content budget), which queries are audited (:meth:`EngineAudit.sample`);
+- planning a forward on the host: every new token's writes are checked, and the queries audited
+  (:meth:`EngineAudit.sample`) are as many as the time budget allows, with more where a situation
+  or a request is new (:mod:`kvcanary.audit.budget`);
 - the torch reference for one layer, reading the cache through the layer's geometry
   (:meth:`EngineAudit.check_writes`, :meth:`EngineAudit.check_queries`);
 - the compiled check of some layers in one call (:meth:`EngineAudit.run_compiled`), its tables
@@ -16,12 +17,14 @@ soft-cap and sinks. Everything else is here, once:
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 import torch
 
 from kvcanary.audit.auditor import Auditor
+from kvcanary.audit.budget import FOCUS, QueryBudget
 from kvcanary.audit.records import ForwardAudit, LayerPlan, Query, Writes, to_device
 from kvcanary.audit.reference import DTYPES, check_layer, write_mismatch
 from kvcanary.audit.tables import PTR_K, QUERY_COLUMNS, layer_row
@@ -41,8 +44,10 @@ class EngineAudit:
     ----------
     auditor : the rotation of sampled queries, the forwards not yet drained and the counts
     fa : this forward's audit while it runs (``None``: none)
+    budget : the count of queries per forward (:class:`~kvcanary.audit.budget.QueryBudget`)
     write_tokens : this forward's batch tokens whose writes are checked (host), and ``write_index``
         the same on the pool's device
+    spent : the audit's own seconds in this forward so far
     """
 
     def __init__(self, adapter: Any, heads: int) -> None:
@@ -55,7 +60,10 @@ class EngineAudit:
         self.fa: ForwardAudit | None = None
         self.write_tokens: np.ndarray | None = None
         self.write_index: torch.Tensor | None = None
-        self._wturn = 0
+        self.budget = QueryBudget(cfg.audit_queries, cfg.audit_budget)
+        self.spent = 0.0
+        self._opened = 0.0  # when this forward's audit was planned
+        self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
 
     # ---- planning a forward (host) ------------------------------------------------------------
 
@@ -63,34 +71,57 @@ class EngineAudit:
         """Whether the forward numbered ``forwards`` is audited (``audit_every``)."""
         return self.on and forwards % self.config.audit_every == 0
 
-    def pick_writes(self, total: int, token_bytes: int, layers: int, device: torch.device) -> None:
-        """This forward's write-checked tokens out of ``total``: all of them without a content
-        budget, else as many as the budget holds of every layer's K and V (``token_bytes`` per token
-        and layer), rotating over the forward's tokens."""
+    def pick_writes(self, total: int, device: torch.device) -> None:
+        """This forward's write-checked tokens: all ``total`` of them, in every layer."""
         self.write_tokens = self.write_index = None
         if not self.write_check or not total:
             return
-        budget = self.config.budget_for(device.type)
-        n = total if budget is None else min(total, max(1, budget // (token_bytes * max(1, layers))))
-        toks = (self._wturn + np.arange(n)) % total if n < total else np.arange(n)
-        self._wturn = int((self._wturn + n) % total)
+        toks = np.arange(total)
         self.write_tokens = toks
         self.write_index = to_device(device, [toks])[0]
 
     def sample(self, layers: Sequence[Hashable], lengths: np.ndarray, starts: np.ndarray, cached: np.ndarray,
                layer_id: Callable[[Any], int], group_of: Callable[[Any], str | None],
-               last_token: Callable[[Any], bool] = lambda layer: False) -> list[Query]:
+               last_token: Callable[[Any], bool] = lambda layer: False, situation: Hashable = None,
+               rids: Sequence[str] | None = None) -> list[Query]:
         """This forward's audited queries (:meth:`Auditor.pick`'s rotation over ``layers``, the rows
         with ``lengths`` new tokens from ``starts`` in the batch, after ``cached`` tokens, and the
-        heads); ``layer_id``: a layer's number in the records; ``last_token``: a layer whose
-        queries are its rows' last new tokens (a window group caches only a prefill's last ones)."""
+        heads), as many as :attr:`budget` gives a forward in ``situation``, and :data:`FOCUS` more
+        on each row of ``rids`` (the rows' requests) in a new situation of its own; ``layer_id``: a
+        layer's number in the records; ``last_token``: a layer whose queries are its rows' last new
+        tokens (a window group caches only a prefill's last ones)."""
+        self._opened = t0 = time.perf_counter()
+        count = self.budget.plan(situation)
+        focus = self._focus(rids, lengths, cached) if rids is not None else []
         out = []
-        for li, r, off, head in self.auditor.pick(list(range(len(layers))), lengths.tolist(), self.heads):
+        for li, r, off, head in self.auditor.pick(list(range(len(layers))), lengths.tolist(), self.heads, count,
+                                                  focus, FOCUS):
             layer = layers[li]
             if last_token(layer):
                 off = int(lengths[r]) - 1
             out.append(Query(layer_id(layer), r, int(starts[r] + off), head, int(cached[r] + off), int(cached[r]),
                              group_of(layer)))
+        self.spent = time.perf_counter() - t0
+        return out
+
+    def _focus(self, rids: Sequence[str], lengths: np.ndarray, cached: np.ndarray) -> list[int]:
+        """The rows whose request is in a new situation of its own: its first audited forward reads a
+        prefix it did not write (``cached`` > 0: a prefix-cache hit), or it decodes (one new token)
+        for the first time."""
+        stage, out = self._stage, []
+        for i, rid in enumerate(rids):
+            if not rid or lengths[i] <= 0:
+                continue
+            st = stage.get(rid)
+            if st is None:
+                stage[rid] = 1
+                if cached[i] > 0:
+                    out.append(i)
+            elif st == 1 and lengths[i] == 1:
+                stage[rid] = 2
+                out.append(i)
+        if len(stage) > 4 * len(rids) + 4096:  # requests that left: forgotten (one that comes back gets a new focus)
+            self._stage = {rid: stage[rid] for rid in rids if rid in stage}
         return out
 
     def start(self, step: int, starts: np.ndarray, cached: np.ndarray, slots: dict[str | None, torch.Tensor],
@@ -188,11 +219,20 @@ class EngineAudit:
         self.fa = None
         self.auditor.failed(self.adapter, e)
 
+    def charge(self, seconds: float) -> None:
+        """Seconds the audit spent inside the forward: the adapter's canary time, and the budget's."""
+        self.adapter.seconds += seconds
+        self.spent += seconds
+
     def end(self) -> None:
+        """After the forward: the budget learns what this forward's audit cost against the forward."""
+        if self.fa is not None and self._opened:
+            self.budget.observe(len(self.fa.queries), self.spent, time.perf_counter() - self._opened)
         self.fa = None
+        self._opened = 0.0
 
     def drain(self) -> list[Violation]:
         return self.auditor.drain()
 
     def stats(self) -> dict[str, int]:
-        return self.auditor.stats()
+        return {**self.auditor.stats(), **self.budget.stats()}

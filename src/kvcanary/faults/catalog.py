@@ -48,6 +48,8 @@ class FaultClass:
     # needs the write check or the read audit (kvcanary.audit): it is run with and without them, and
     # must be detected with them and missed without
     audit: bool = False
+    # run at the default write check and read audit (the time budget), not with every query audited
+    at_default: bool = False
 
 
 META = Check.POSITION | Check.LINK | Check.TOKEN | Check.EMPTY  # what a foreign or stale slot trips
@@ -118,6 +120,22 @@ CATALOG: tuple[FaultClass, ...] = (
                "out (kernel mask arithmetic, as in the FlashInfer and flash-attention read bugs)", audit=True),
     FaultClass("wrong_softmax_scale", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 1, ("Z29",),
                "the attention kernel applies a softmax scale of 1 instead of the model's", audit=True),
+    # brief faults, at the default configuration: seen in the forward they strike
+    FaultClass("transient_scale_error", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 1, (),
+               "V is read back with a wrong scale on the first two forwards after start only (vLLM #51091)",
+               audit=True, at_default=True),
+    FaultClass("one_off_v_zeros", Point.KERNEL, Outcome.DETECT, Check.WRITE_CONTENT, 1, (),
+               "once, the cache write of one layer lands zeros for one token's V", audit=True, at_default=True),
+    FaultClass("intermittent_kernel", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 1, (),
+               "the attention kernel misreads V's scale on 1 forward in 20", audit=True, at_default=True),
+    # confined to one (layer, head): found within the rotation's bound, about (H + 1) * L queries
+    # (kvcanary.audit.budget; 10 on the selftest's 2-layer, 4-head model, at least one query a forward)
+    FaultClass("head_zeroed_one_layer", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 10, (),
+               "in one layer the attention kernel drops one query head's output (FlashInfer #4450)",
+               audit=True, at_default=True),
+    FaultClass("position_shift", Point.KERNEL, Outcome.DETECT, Check.WRITE_INPUT_POSITION | Check.WRITE_POSITION, 1,
+               (), "one request's tokens are given positions one too far in one forward (SGLang #25015: draft "
+               "positions off by one)", at_default=True),
 )
 
 BY_NAME = {f.name: f for f in CATALOG}

@@ -174,7 +174,14 @@ CB_FAULTS = {"bit_flip": "flip_shared_byte", "table_redirect": "redirect_table_e
 KERNEL_FAULTS = {"attention_read_bug": "read_next_page", "kernel_ignores_prefix": "ignore_prefix",
                  "layout_disagreement": "heads_reversed", "quant_scale_mixup": "v_rescaled",
                  "write_lands_zeros": "write_zeros", "window_off_by_one": "window_one_short",
-                 "wrong_softmax_scale": "scale_of_one"}
+                 "wrong_softmax_scale": "scale_of_one", "transient_scale_error": "transient_scale",
+                 "one_off_v_zeros": "one_v_row_zeroed", "intermittent_kernel": "intermittent_scale",
+                 "head_zeroed_one_layer": "head_zeroed", "position_shift": "shift_positions"}
+# the forward a class is injected at, where not the third: the transient scale error strikes from
+# the start; the others after the first forwards' full audits (kvcanary.audit.budget.WARM), where the
+# time budget decides how many queries a forward audits
+INJECT_AT = {"transient_scale_error": 0, "one_off_v_zeros": 12, "intermittent_kernel": 12,
+             "head_zeroed_one_layer": 12}
 SLIDING_FAULTS = {"window_off_by_one"}  # run on a model whose layers attend to a window
 FULL_AUDIT = 64  # audited queries per forward in the "full" runs: every layer and request of the batch
 
@@ -213,10 +220,14 @@ def _run_transformers(fc: FaultClass, seed: int, model: Any, audit: bool) -> Fau
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
     prompts = [rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(2, 12))] for _ in range(20)]
-    gen, cb = cb_configs(max_new_tokens=10)
-    fault = CbFault({**CB_FAULTS, **KERNEL_FAULTS}[fc.name], at=3, seed=seed)
-    config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=audit,
-                          audit_queries=FULL_AUDIT if audit else 0, audit_every=1)
+    gen, cb = cb_configs(max_new_tokens=32 if fc.at_default else 10)
+    fault = CbFault({**CB_FAULTS, **KERNEL_FAULTS}[fc.name], at=INJECT_AT.get(fc.name, 3), seed=seed)
+    if fc.at_default:  # the default write check and read audit, or neither
+        config = CanaryConfig(mode="log", content_budget_bytes=None) if audit else CanaryConfig(
+            mode="log", content_budget_bytes=None, write_check=False, audit_queries=0)
+    else:
+        config = CanaryConfig(mode="log", content_budget_bytes=None, write_check=audit,
+                              audit_queries=FULL_AUDIT if audit else 0, audit_every=1)
     restore = _quiet()
     try:
         with torch.inference_mode(), protect(model, config) as guard:

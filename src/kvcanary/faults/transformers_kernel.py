@@ -203,7 +203,100 @@ def scale_of_one(prot: Any, runner: Any, batch: dict, rng: random.Random, detail
     return True
 
 
+def _scaled_v(prot: Any, strikes: Any, detail: dict, **what: Any) -> None:
+    """Every layer's reader takes V at 1.5 times the written one on the forwards ``strikes`` accepts."""
+    def tap(original: Any, cache: Any, key: Any, value: Any, layer_idx: int, kwargs: dict) -> Any:
+        k, v = original(cache, key, value, layer_idx, kwargs)
+        return (k, v * 1.5) if strikes(prot.forwards) else (k, v)
+
+    prot.audit.taps["update"] = tap
+    detail.update(scale=1.5, **what)
+
+
+def transient_scale(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """V is read back with a wrong dequantization scale on the first two forwards after start only,
+    in every layer (vLLM #51091: scales not yet loaded on the first forwards)."""
+    _scaled_v(prot, lambda f: f < 2, detail, forwards=[0, 1])
+    return True
+
+
+def intermittent_scale(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """The attention kernel misreads V's scale on 1 forward in 20 (from this one on), in every layer:
+    an intermittent kernel fault (a race, a rarely taken path)."""
+    first = prot.forwards
+    _scaled_v(prot, lambda f: f >= first and (f - first) % 20 == 0, detail, every=20)
+    return True
+
+
+def one_v_row_zeroed(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """Once: the cache write of one layer lands zeros for one token's V (a one-off write error)."""
+    picked = _layer(prot)
+    if picked is None:
+        return False
+    g, layer = picked
+    geom = g.pages.layer(layer)
+    when = prot.forwards
+
+    def tap(original: Any, cache: Any, key: Any, value: Any, layer_idx: int, kwargs: dict) -> Any:
+        out = original(cache, key, value, layer_idx, kwargs)
+        if layer_idx == layer and prot.forwards == when and "write_index" in kwargs:
+            write = kwargs["write_index"][g.index].long()
+            slots = g.compact(write[write != g.trash])
+            if slots.numel():
+                geom.set_rows("v", slots[:1], 0)
+                detail["slot"] = int(slots[0])
+        return out
+
+    prot.audit.taps["update"] = tap
+    detail.update(layer=layer)
+    return True
+
+
+def head_zeroed(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """In one layer the attention kernel drops one query head: its output is zeros (FlashInfer #4450
+    dropped a head where its logits fell under a threshold; here on every query of that head)."""
+    picked = _layer(prot)
+    if picked is None:
+        return False
+    layer = picked[1]
+    head = rng.randrange(int(prot.model.config.num_attention_heads))
+
+    def tap(original: Any, module: Any, query: Any, key: Any, value: Any, mask: Any, *a: Any, **kw: Any) -> Any:
+        out = original(module, query, key, value, mask, *a, **kw)
+        if int(module.layer_idx) != layer:
+            return out
+        o = out[0].clone()
+        o[:, :, head] = 0
+        return (o, *out[1:])
+
+    prot.audit.taps["attention"] = tap
+    detail.update(layer=layer, head=head)
+    return True
+
+
+def shift_positions(prot: Any, runner: Any, batch: dict, rng: random.Random, detail: dict) -> bool:
+    """In this forward, one request's tokens are given positions one too far (a draft's positions
+    off by one, SGLang #25015): the model's rotary embedding reads them, the cache holds what it
+    computed from them."""
+    from kvcanary.engines.transformers.hooks import host_io
+
+    reqs = list(host_io(runner.inputs_and_outputs).requests_in_batch)
+    if not reqs:
+        return False
+    row = rng.randrange(len(reqs))
+    cu = batch["cu_seq_lens_q"]
+    q0, q1 = int(cu[row]), int(cu[row + 1])
+    batch["position_ids"][0, q0:q1] += 1
+    detail.update(request=str(reqs[row].state.request_id), shift=1)
+    return True
+
+
 INJECTORS = {
+    "transient_scale": transient_scale,
+    "intermittent_scale": intermittent_scale,
+    "one_v_row_zeroed": one_v_row_zeroed,
+    "head_zeroed": head_zeroed,
+    "shift_positions": shift_positions,
     "read_next_page": read_next_page,
     "ignore_prefix": ignore_prefix,
     "heads_reversed": heads_reversed,

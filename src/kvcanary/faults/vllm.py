@@ -29,6 +29,9 @@ forward it is injected in on, as a kernel bug does, leaving the tables and stamp
 - ``kernel_write_zeros``: the cache write of the layer lands zeros;
 - ``kernel_scale_of_one``: the kernel applies a softmax scale of 1 instead of the model's.
 
+``position_shift`` gives one request's tokens positions one too far in the model forward of one
+forward (:mod:`kvcanary.engines.vllm.positions` checks what the model is given).
+
 The two speculative-decoding faults need a forward after a rejection (ngram drafting on a
 repetitive prompt); the others a forward whose rows share cached blocks.
 """
@@ -342,10 +345,37 @@ def kernel_scale_of_one(conn: Any, md: Any, meta: Any, rng: random.Random, detai
     return True
 
 
+def position_shift(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
+    """In this forward, one request's tokens reach the model with positions one too far (a draft's
+    positions off by one): the model forward's ``positions`` are shifted for that request's rows."""
+    from kvcanary.engines.vllm import positions as vllm_positions
+
+    victim = next((rid for rid, _, _ in _rows(md, meta, conn.block_size) if rid), None)
+    if victim is None or not conn.groups:
+        return False
+    struck: list[int] = []
+
+    def tap(original: Any, runner: Any, *a: Any, **kw: Any) -> Any:
+        pos, rows, step = kw.get("positions"), conn.rows, conn.groups[0].step
+        if not struck and pos is not None and pos.dim() == 1 and rows is not None and step is not None \
+                and victim in rows.rids:
+            row = rows.rids.index(victim)
+            q0, q1 = int(step.new_offsets[row]), int(step.new_offsets[row + 1])
+            pos = pos.clone()
+            pos[q0:q1] += 1
+            kw = {**kw, "positions": pos}
+            struck.append(row)
+        return original(runner, *a, **kw)
+
+    vllm_positions.TAPS["forward"] = tap
+    detail.update(request=victim, shift=1)
+    return True
+
+
 PERSISTENT = {"redirect_stuck": _redirect_again}  # faults applied again in every later forward
 INJECTORS = {"flip_k": _flip("k"), "flip_v": _flip("v"), "redirect": redirect, "reuse": reuse, "zero": zero,
              "flip_first_read": flip_first_read, "write_null_block": write_null_block,
              "keep_rejected_drafts": _kept_drafts(True), "rollback_one_short": _kept_drafts(False),
              "redirect_stuck": redirect_stuck, "flip_cold": flip_cold,
              "kernel_read_next_page": kernel_read_next_page, "kernel_write_zeros": kernel_write_zeros,
-             "kernel_scale_of_one": kernel_scale_of_one}
+             "kernel_scale_of_one": kernel_scale_of_one, "position_shift": position_shift}

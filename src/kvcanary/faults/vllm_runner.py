@@ -82,6 +82,8 @@ FAULTS: tuple[FaultSpec, ...] = (
               run=(("spec", 3), ("prompts", "repetitive"), ("max_tokens", 48))),
     FaultSpec("rollback_one_short", "", Check.EMPTY | Check.POSITION | Check.LINK | Check.TOKEN, 1,
               run=(("spec", 3), ("prompts", "repetitive"), ("max_tokens", 48))),
+    # the positions the model forward is given, one request's shifted for one forward (default config)
+    _spec("position_shift", "position_shift"),
     # inside the first layer's forward (kvcanary.audit), every request and layer audited each forward
     *(FaultSpec(name, cls, BY_NAME[cls].checks, 1, (("KVCANARY_AUDIT_QUERIES", "64"), ("KVCANARY_AUDIT_EVERY", "1")),
                 audit=True)

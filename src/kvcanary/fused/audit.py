@@ -169,6 +169,64 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     return err / max(vmax, 1e-30), weighted / den
 
 
+@njit(inline="always", **JIT)
+def _check_writes(c, ka, va, strides, steps, toks, half, head):  # type: ignore[no-untyped-def]
+    """One layer's write check (layer row ``c``, its computed K and V at ``ka`` and ``va``):
+    :func:`check_forward`'s ``half`` and ``head`` rows of that layer."""
+    step = steps[c[L_STEP]]
+    esz, nh, nd = c[L_ESIZE], c[L_HEADS], c[L_DIM]
+    kbs, vbs = c[L_K + D_BLOCK], c[L_V + D_BLOCK]
+    for i in range(toks.shape[0]):
+        t = toks[i]
+        s = rd(step, NS, t)
+        half[i] = 0
+        head[i] = 0
+        if s < 0:
+            continue
+        kb = c[L_K] + (s // kbs) * c[L_K + D_BLOCK_STRIDE] + (s % kbs) * c[L_K + D_TOKEN_STRIDE]
+        vb = c[L_V] + (s // vbs) * c[L_V + D_BLOCK_STRIDE] + (s % vbs) * c[L_V + D_TOKEN_STRIDE]
+        hf = 0
+        first = -1
+        for h in range(nh):
+            if _differs(ka + t * strides[S_K] + h * strides[S_K + 1], strides[S_K + 2], kb + h * c[L_K + D_HEAD_STRIDE],
+                        c[L_K + D_DIM_STRIDE], esz, nd):
+                hf |= 1
+                first = h if first < 0 else first
+            if _differs(va + t * strides[S_V] + h * strides[S_V + 1], strides[S_V + 2], vb + h * c[L_V + D_HEAD_STRIDE],
+                        c[L_V + D_DIM_STRIDE], esz, nd):
+                hf |= 2
+                first = h if first < 0 else first
+        half[i] = hf
+        head[i] = first if first >= 0 else 0
+
+
+@njit(**JIT)
+def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt, kept):  # type: ignore[no-untyped-def]
+    """Inside one layer's forward, what :func:`check_forward` needs of it after the forward: its write
+    check now (``ka``: its computed K's address, 0: none; ``va``: its V's), into the ``half`` and
+    ``head`` rows of layer ``lay``; and a copy of its audited queries' rows, the query at ``qa`` and
+    the output at ``oa`` (0: none), into ``kept`` (``[S, 2, dim * element size]`` bytes: a query's
+    table row ``s`` holds its query at ``[s, 0]`` and its output at ``[s, 1]``), because the engine
+    may reuse those tensors' memory in a later layer."""
+    c = layers[lay]
+    if ka != 0:
+        _check_writes(c, ka, va, strides, steps, toks, half[lay], head[lay])
+    if qa == 0:
+        return
+    esz = c[L_ESIZE]
+    nd = c[L_DIM]
+    for s in range(qt.shape[0]):
+        if qt[s, Q_LAYER] != lay:
+            continue
+        tok, hd = qt[s, Q_TOKEN], qt[s, Q_HEAD]
+        q0 = qa + tok * strides[S_Q] + hd * strides[S_Q + 1]
+        o0 = oa + tok * strides[S_O] + hd * strides[S_O + 1]
+        for d in range(nd):
+            for b in range(esz):
+                kept[s, 0, d * esz + b] = ld_u8(q0 + d * strides[S_Q + 2] + b)
+                kept[s, 1, d * esz + b] = ld_u8(o0 + d * strides[S_O + 2] + b)
+
+
 @njit(**JIT)
 def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, shift, tols,
                   gathered):  # type: ignore[no-untyped-def]
@@ -189,35 +247,8 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
     tolerance, and ``shift`` with +1 or -1 where reading every cached block one page on or back
     gives the engine's output (tried above the tolerance only)."""
     for lay in range(layers.shape[0]):
-        c = layers[lay]
-        ka, va = ptrs[lay, PTR_K], ptrs[lay, PTR_V]
-        if ka == 0:
-            continue
-        step = steps[c[L_STEP]]
-        esz, nh, nd = c[L_ESIZE], c[L_HEADS], c[L_DIM]
-        kbs, vbs = c[L_K + D_BLOCK], c[L_V + D_BLOCK]
-        for i in range(toks.shape[0]):
-            t = toks[i]
-            s = rd(step, NS, t)
-            half[lay, i] = 0
-            head[lay, i] = 0
-            if s < 0:
-                continue
-            kb = c[L_K] + (s // kbs) * c[L_K + D_BLOCK_STRIDE] + (s % kbs) * c[L_K + D_TOKEN_STRIDE]
-            vb = c[L_V] + (s // vbs) * c[L_V + D_BLOCK_STRIDE] + (s % vbs) * c[L_V + D_TOKEN_STRIDE]
-            hf = 0
-            first = -1
-            for h in range(nh):
-                if _differs(ka + t * strides[S_K] + h * strides[S_K + 1], strides[S_K + 2], kb + h * c[L_K + D_HEAD_STRIDE],
-                            c[L_K + D_DIM_STRIDE], esz, nd):
-                    hf |= 1
-                    first = h if first < 0 else first
-                if _differs(va + t * strides[S_V] + h * strides[S_V + 1], strides[S_V + 2], vb + h * c[L_V + D_HEAD_STRIDE],
-                            c[L_V + D_DIM_STRIDE], esz, nd):
-                    hf |= 2
-                    first = h if first < 0 else first
-            half[lay, i] = hf
-            head[lay, i] = first if first >= 0 else 0
+        if ptrs[lay, PTR_K] != 0:
+            _check_writes(layers[lay], ptrs[lay, PTR_K], ptrs[lay, PTR_V], strides, steps, toks, half[lay], head[lay])
     if qt.shape[0] == 0:
         return
     width = 1

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from kvcanary.audit.budget import shape_class
 from kvcanary.audit.records import LayerPlan, plan_layers
 from kvcanary.audit.tables import (PTR_K, PTR_O, PTR_Q, PTR_V, Q_HEAD, Q_LAYER, Q_TOKEN, S_K, S_O, S_Q, S_V,
                                    STRIDE_COLUMNS, floats, query_table, strides)
@@ -65,6 +66,7 @@ class CbAudit(EngineAudit):
         self._order: list[int] = []  # the layers, in the order the rotation walks them
         self._dev = torch.device("cpu")
         self._token_bytes = 1
+        self._pool_key: tuple[Any, ...] = ()
         self._qt: np.ndarray | None = None  # this forward's compiled query table
         self._fl: np.ndarray | None = None  # and its floats (each layer's scale, soft-cap, tolerance; sinks)
         self._compiled: _Compiled | None = None  # the compiled loop's per-layer constants
@@ -85,6 +87,8 @@ class CbAudit(EngineAudit):
             # a token's K and V bytes in the engine's cache, whatever the canary's content layout
             # reads (none with content="none")
             self._token_bytes = max(g.pages.layer(g.pages.layers[0]).token_bytes for g in groups.values())
+            # a new pool or dtype is a new situation for the audit's budget
+            self._pool_key = tuple((g.pages.cache.data_ptr(), str(g.pages.cache.dtype)) for g in groups.values())
 
     def begin(self, steps: dict[str, Any], reqs: list, batch: dict, forwards: int) -> None:
         """Plan this forward's write checks and audited queries (host work from the requests' lengths)."""
@@ -106,15 +110,17 @@ class CbAudit(EngineAudit):
         total = int(cu[-1])
         self.steps = steps
         self._deferred = self.fused and total <= DEFER_TOKENS
+        situation = (shape_class(len(reqs), bool((q > 1).any())), self._pool_key)
         queries = self.sample(self._order, q, cu, past, int, lambda layer: self.layer_group[layer].name,
-                              lambda layer: self._windows.get(layer) is not None)
+                              lambda layer: self._windows.get(layer) is not None, situation,
+                              [fs.state.request_id for fs in reqs])
         if self.fused:
             self._plan_fused(queries)
         else:
             self.plans = plan_layers(queries, self._windows, self._dev)  # type: ignore[assignment]
         self.start(forwards, cu, past, {name: st.new_slots for name, st in steps.items()}, queries, self._dev,
                    host=self.fused)
-        self.pick_writes(total, self._token_bytes, len(self._order), self._dev)
+        self.pick_writes(total, self._dev)
 
     def _plan_fused(self, queries: list[Any]) -> None:
         """The compiled loop's query table and floats (:mod:`kvcanary.audit.tables`)."""
@@ -147,7 +153,7 @@ class CbAudit(EngineAudit):
         finally:
             self.stash.clear()
             self.qstash.clear()
-            self.adapter.seconds += time.perf_counter() - t0
+            self.charge(time.perf_counter() - t0)
 
     def end(self) -> None:
         super().end()
@@ -196,7 +202,7 @@ class CbAudit(EngineAudit):
         except Exception as e:
             self.failed(e)
         finally:
-            self.adapter.seconds += time.perf_counter() - t0
+            self.charge(time.perf_counter() - t0)
         return out
 
     def _layer_fused(self, layer: int, query: torch.Tensor, out: torch.Tensor) -> None:

@@ -29,10 +29,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvcanary.audit.records import LayerPlan, plan_layers
+from kvcanary.audit.budget import shape_class
+from kvcanary.audit.records import LayerPlan, Writes, plan_layers
 from kvcanary.audit.reference import DTYPES
-from kvcanary.audit.tables import PTR_K, PTR_O, PTR_Q, PTR_V, STRIDE_COLUMNS, floats, query_table, strides
-from kvcanary.engines.audit import NO_QUERIES, EngineAudit
+from kvcanary.audit.tables import (L_ESIZE, L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, Q_LAYER, Q_LOCAL, S_O, S_Q, STRIDE_COLUMNS, floats,
+                                   query_table, strides)
+from kvcanary.engines.audit import NO_QUERIES, NO_TOKENS, EngineAudit
 from kvcanary.geometry.base import KvGeometry
 
 REGISTRY: dict[str, "VllmAudit"] = {}  # layer name -> the audit of the canary that covers it
@@ -102,6 +104,10 @@ class VllmAudit(EngineAudit):
         self._tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # this forward's compiled tables by layer
         self._step_descs: dict[str, np.ndarray] = {}
         self._strides: dict[tuple[Any, ...], np.ndarray] = {}
+        self.one_call = 0  # forwards whose queries were checked in one call after the forward
+        self._wide: _Wide | None = None  # this forward's checks, kept for one compiled call after it
+        # by the live groups: the covered layers, their layer table, floats and rows
+        self._wide_base: dict[tuple[Any, ...], tuple[list[str], np.ndarray, np.ndarray, dict[str, int]]] = {}
 
     def register(self, groups: list[Any], geometry: dict[str, KvGeometry]) -> None:
         """The covered groups' layers, checked from now on (``geometry``: each layer's cache)."""
@@ -119,32 +125,55 @@ class VllmAudit(EngineAudit):
 
     def begin(self, live: list[Any], rows: Any, forwards: int) -> None:
         """Plan this forward's write checks and audited queries from the steps' host values."""
-        self.fa, self.plans = None, {}
+        self.fa, self.plans, self._wide = None, {}, None
         self.write_tokens = self.write_index = None
         self._tables, self._step_descs = {}, {}
         if not live or not self.due(forwards):
             return
+        t0 = time.perf_counter()
         step = live[0].step
         qsl = step.new_offsets.long().numpy()
         cached = step.cached_lens.long().numpy()
         q = qsl[1:] - qsl[:-1]
         valid = np.asarray(rows.valid.numpy(), dtype=bool)[: len(q)]
         layers = [n for g in live for n in g.plan.layers if n in self.groups]
-        queries = self.sample(layers, q * valid, qsl, cached, self.index.__getitem__, lambda n: self.groups[n].name)
+        situation = (shape_class(len(q), bool((q > 1).any())), tuple(self.geometry[n].tensor.data_ptr()
+                                                                      for n in layers[:1]))
+        queries = self.sample(layers, q * valid, qsl, cached, self.index.__getitem__, lambda n: self.groups[n].name,
+                              situation=situation, rids=rows.rids)
         windows = {self.index[n]: self.groups[n].plan.window for n in layers}
         self.plans = plan_layers(queries, windows, torch.device("cpu"))
-        self.start(forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries, torch.device("cpu"),
-                   host=True)
-        if any(g.canary.backend == "fused" for g in live):  # the compiled loop's tables, for each layer's call
-            from kvcanary.fused._step import describe
+        fa = self.start(forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries, torch.device("cpu"),
+                        host=True)
+        self.pick_writes(int(qsl[-1]), torch.device("cpu"))
+        if all(g.canary.backend == "fused" for g in live):
+            self._wide = self._deferred(live, layers, fa.queries)
+        if self._wide is None and any(g.canary.backend == "fused" for g in live):
+            from kvcanary.fused._step import describe  # the compiled loop's tables, for each layer's call
 
             self._step_descs = {g.name: describe(g.step)[None] for g in live}
             for name in (n for n in layers if self.index[n] in self.plans):
                 known = self._static.get(name)
                 if known is not None and known.compiled:
                     self._tables[name] = self._table(name, known)
-        row = max([self.geometry[n].token_bytes for n in layers] + [1])
-        self.pick_writes(int(qsl[-1]), row, len(layers), torch.device("cpu"))
+        self.spent += time.perf_counter() - t0
+
+    def _deferred(self, live: list[Any], layers: list[str], queries: list[Any]) -> "_Wide | None":
+        """This forward's checks as one compiled call after it (:class:`_Wide`), where every covered
+        layer was seen (its constants known) and the compiled loop reads it; else ``None``."""
+        statics = [self._static.get(n) for n in layers]
+        if not layers or any(c is None or not c.compiled for c in statics):
+            return None
+        key = (*(g.name for g in live), self.geometry[layers[0]].tensor.data_ptr())
+        base = self._wide_base.get(key)
+        if base is None or base[0] != layers:
+            gi = {g.name: i for i, g in enumerate(live)}
+            table = np.concatenate([self._layer_row(n, self.geometry[n], c.dtype) for n, c in zip(layers, statics)
+                                    if c is not None])
+            table[:, L_STEP] = [gi[self.groups[n].name] for n in layers]
+            fl = np.concatenate([c.floats for c in statics if c is not None])
+            base = self._wide_base[key] = (layers, table, fl, {n: i for i, n in enumerate(layers)})
+        return _Wide.plan(self, live, base, statics, queries)
 
     # ---- inside the forward -----------------------------------------------------------------------
 
@@ -153,12 +182,32 @@ class VllmAudit(EngineAudit):
         out = original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
         t0 = time.perf_counter()
         try:
-            self._check(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
+            if self._wide is not None:
+                self._wide.keep(self, impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
+            else:
+                self._check(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
         except Exception as e:
             self.failed(e)
         finally:
-            self.adapter.seconds += time.perf_counter() - t0
+            self.charge(time.perf_counter() - t0)
         return out
+
+    def finish(self) -> None:
+        """After the forward: the audited queries of every layer kept for it, in one compiled call."""
+        wide, self._wide = self._wide, None
+        if wide is None or self.fa is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            wide.finish(self)
+        except Exception as e:
+            self.failed(e)
+        finally:
+            self.charge(time.perf_counter() - t0)
+
+    def failed(self, e: Exception) -> None:
+        self._wide = None
+        super().failed(e)
 
     def _check(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
@@ -253,6 +302,112 @@ class VllmAudit(EngineAudit):
             got = self._rows[name] = (ptr, np.array([self.layer_row(geom, 0, query_dtype)], dtype=np.int64))
         return got[1]
 
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "audit_forwards_one_call": self.one_call}
+
     def close(self) -> None:
         for name in [n for n, a in REGISTRY.items() if a is self]:
             del REGISTRY[name]
+
+
+class _Wide:
+    """One forward's checks as one compiled call after it (every covered layer seen before and
+    read by the compiled loop): inside each layer only its write check and a copy of its audited
+    queries' rows (:func:`kvcanary.fused.audit.keep_layer`), since the engine may reuse a layer's
+    query and output memory in a later layer; after the forward every layer's queries in one call
+    of :func:`kvcanary.fused.audit.check_forward`."""
+
+    def __init__(self, names: list[str], index: dict[str, int], table: np.ndarray, steps: np.ndarray, qt: np.ndarray,
+                 fl: np.ndarray, width: int, toks: np.ndarray) -> None:
+        self.names, self.index, self.table, self.steps, self.qt, self.fl = names, index, table, steps, qt, fl
+        self.toks = toks
+        self.half = np.zeros((len(names), len(toks)), dtype=np.int64)
+        self.head = np.zeros_like(self.half)
+        self.kept = np.zeros((max(len(qt), 1), 2, width), dtype=np.uint8)
+        self.ptrs = np.zeros((len(names), 4), dtype=np.int64)
+        self.audited = set(qt[:, Q_LAYER].tolist())  # the layer rows with queries
+        self.wrote: list[int] = []
+        self.st: np.ndarray | None = None
+        self.shape: tuple[Any, ...] | None = None
+        self.width = width
+
+    @classmethod
+    def plan(cls, audit: VllmAudit, live: list[Any], base: tuple[list[str], np.ndarray, np.ndarray, dict[str, int]],
+             statics: list[Any], queries: list[Any]) -> "_Wide":
+        from kvcanary.fused._step import describe
+
+        names, table, fl, index = base
+        by_number = {c.number: (i, c) for i, c in enumerate(statics)}
+        mine = [q for q in queries if q.layer in by_number and by_number[q.layer][1].audited]
+        picked = [i for i, q in enumerate(queries) if q.layer in by_number and by_number[q.layer][1].audited]
+        window = {n: audit.groups[n].plan.window for n in names}
+
+        def sink(q: Any) -> float | None:
+            c = by_number[q.layer][1]
+            return None if c.sink_logits is None else float(c.sink_logits[q.head])
+
+        qt, sinks = query_table(mine, lambda q: by_number[q.layer][0], lambda q: by_number[q.layer][1].rep,
+                                lambda q: window[names[by_number[q.layer][0]]], sink, len(fl), picked)
+        qt[:, Q_LOCAL] = np.arange(len(qt))  # each query's row of the kept copies
+        width = max(int(audit.geometry[n].head_dim) * audit.geometry[n].element_size for n in names)
+        steps = np.stack([describe(g.step) for g in live])
+        toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
+        return cls(names, index, table, steps, qt, np.concatenate([fl, np.asarray(sinks, dtype=np.float64)]), width,
+                   toks)
+
+    def keep(self, audit: VllmAudit, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
+        """Inside one layer: its write check and its audited queries' rows kept (a layer whose tensors
+        differ from the forward's first in dtype or strides is checked as it goes, by the per-layer path)."""
+        from kvcanary.fused.audit import keep_layer
+
+        name = layer.layer_name
+        li = self.index.get(name)
+        if li is None:
+            return
+        c = audit._static[name]
+        if not c.checked or not getattr(md, "causal", True) or getattr(md, "dynamic_causal", None) is not None:
+            return
+        out3 = output.view(output.shape[0], c.heads, -1)
+        shape = (key.stride(), value.stride(), query.stride(), out3.stride(), key.dtype, value.dtype, query.dtype,
+                 out3.dtype)
+        if self.shape is None and key.dtype == value.dtype == query.dtype == out3.dtype == c.dtype:
+            self.shape = shape
+            self.st = np.array(strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2)
+                               + strides(out3, 0, 1, 2), dtype=np.int64)
+        if shape != self.shape:
+            audit._check(impl, layer, query, key, value, kv_cache, md, output)
+            return
+        write = audit.write_tokens is not None and c.writes
+        audited = li in self.audited
+        keep_layer(self.table, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0,
+                   query.data_ptr() if audited else 0, out3.data_ptr() if audited else 0, self.st, self.steps,
+                   self.toks, self.half, self.head, self.qt, self.kept)
+        if write:
+            self.wrote.append(li)
+        if audited:
+            self.ptrs[li, PTR_Q] = self.kept.ctypes.data
+            self.ptrs[li, PTR_O] = self.kept.ctypes.data + self.width
+
+    def finish(self, audit: VllmAudit) -> None:
+        """After the forward: every kept layer's queries in one compiled call, and the write checks'
+        results recorded."""
+        from kvcanary.fused.audit import check_forward
+
+        fa = audit.fa
+        assert fa is not None
+        audit.one_call += 1
+        if self.st is not None and len(self.qt):
+            st = self.st.copy()
+            esz = self.table[0, L_ESIZE]  # the compiled layers' queries are in their cache's dtype
+            st[S_Q:S_Q + 3] = (2 * self.width, 0, esz)
+            st[S_O:S_O + 3] = (2 * self.width, 0, esz)
+            none = np.zeros((len(self.names), 0), dtype=np.int64)
+            check_forward(self.table, self.ptrs, st, self.steps, NO_TOKENS, self.qt, self.fl, none, none, fa.err,
+                          fa.shift, fa.tol, True)
+        if self.wrote:
+            rows = self.wrote
+            fa.writes.append(Writes([audit.index[self.names[i]] for i in rows],
+                                    [audit.groups[self.names[i]].name for i in rows], self.toks, self.half[rows],
+                                    self.head[rows]))
+            audit.count_writes(len(rows), len(self.toks), audit.geometry[self.names[rows[0]]].token_bytes)

@@ -44,6 +44,7 @@ from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.base import Adapter, hook, named
 from kvcanary.engines.vllm import heal as vllm_heal
+from kvcanary.engines.vllm import positions
 from kvcanary.engines.vllm.audit import VllmAudit
 from kvcanary.engines.vllm.groups import GroupPlan, plan_groups, single_group
 from kvcanary.engines.vllm.scheduler import CanaryMeta, SchedulerSide
@@ -110,6 +111,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.geometry: dict[str, KvGeometry] = {}  # each covered layer's cache (kvcanary.geometry)
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self._mrope_said = False
         self.audit = VllmAudit(self, int(heads))  # the write check and read audit in each attention layer
 
     # ---- worker side --------------------------------------------------------------------------
@@ -155,6 +157,27 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
             name = "kv" if len(covered) == 1 else f"g{p.index}"
             self.groups.append(_Group(p, name, self._canary_for(p, kv_caches)))
         self.audit.register(self.groups, self.geometry)
+        if self.groups:
+            positions.install(self)
+
+    @hook("the position check")
+    def model_positions(self, given: torch.Tensor | None) -> None:
+        """The positions the model is given this forward (:mod:`kvcanary.engines.vllm.positions`):
+        each covered group's expected new positions, checked when its new tokens are stamped."""
+        if given is None:
+            return
+        if given.dim() != 1:
+            if not self._mrope_said:
+                self._mrope_said = True
+                log.warning("kvcanary: the model takes M-RoPE positions ([3, tokens]); the positions it is given "
+                            "are not checked against the stamped ones")
+            return
+        for g in self.groups:
+            step = g.step
+            if step is None or step.num_new > given.shape[0]:
+                continue
+            step.expected_new_positions = given[: step.num_new].long()
+            step.memo().pop("fused_desc", None)  # the compiled stamp reads it through a new descriptor
 
     def _canary_for(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor]) -> Canary:
         """A group's canary: its layers' bytes described by the CPU kernels' geometry, the null block
@@ -284,6 +307,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         patrol's share, then report and heal what the forward's checks found."""
         assert self.rows is not None
         rows = self.rows
+        self.audit.finish()  # the audited queries every layer kept, in one call
         found: list[Violation] = []
         for g in self.groups:
             if g.step is None:

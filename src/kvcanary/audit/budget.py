@@ -1,0 +1,81 @@
+"""How many queries each forward's read audit recomputes: a share of the forward's time, with more
+where something is new.
+
+Every audited forward gets at least one query. On a forward in a known situation the count follows
+the time budget (``CanaryConfig.audit_budget``, a share of the forward's wall time): after each
+forward the audit's measured seconds are set against the forward's, and the next forward's count is
+scaled towards the count that fits (at most doubling per forward, never above
+``CanaryConfig.audit_queries``). A faulty kernel path taken for the first time is where a brief
+fault lives, so a forward in a new situation audits the full ``audit_queries``:
+
+- the first :data:`WARM` audited forwards after start;
+- a forward whose situation key changed: the cache's dtype or pool (a new geometry), and the batch's
+  shape class (decode-only or with prefill, and the number of rows to the next power of two, the
+  classes attention kernels dispatch on).
+
+Requests in a new situation of their own get :data:`FOCUS` queries of their own on their newest token,
+on top of the count (rotating over layers and heads): a request's first forward that reads a prefix
+it did not write (a prefix-cache hit), and its first decode.
+
+Coverage bound: with ``n`` queries a forward over ``L`` audited layers and ``R`` rows with new
+tokens, the rotation (layers fastest, then rows, then heads) audits every (layer, row) pair of a
+steady batch within ``ceil(L * R / n)`` forwards and every (layer, row, head) triple within ``H``
+times that.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+WARM = 8  # audited forwards after start that audit the full count
+FOCUS = 4  # queries of a request's own in its first decode and its first forward after a prefix hit
+GROWTH = 2.0  # the most the count grows from one forward to the next
+_SMOOTH = 0.25  # the weight of the newest forward in the measured seconds per query
+
+
+class QueryBudget:
+    """The count of audited queries per forward.
+
+    Parameters
+    ----------
+    queries : the most a forward audits, and what a forward in a new situation audits
+    share : the share of a forward's wall time the audit may take (``None``: always ``queries``)
+    """
+
+    def __init__(self, queries: int, share: float | None) -> None:
+        self.queries, self.share = queries, share
+        self.audited = 0  # forwards planned so far
+        self.count = queries if share is None else 1  # this forward's count in a known situation
+        self.per_query: float | None = None  # the audit's measured seconds per query (smoothed)
+        self.situation: Hashable = None
+        self.new = 0  # forwards audited at the full count because their situation was new
+        self._planned = 0
+
+    def plan(self, situation: Hashable) -> int:
+        """This forward's count: the full count where ``situation`` differs from the last forward's or
+        within the first :data:`WARM` forwards, else the count the time budget allows."""
+        fresh = self.audited < WARM or situation != self.situation
+        self.situation = situation
+        self.audited += 1
+        n = self.queries if fresh or self.share is None else self.count
+        self.new += int(fresh and self.share is not None)
+        self._planned = n
+        return n
+
+    def observe(self, queries: int, audit_s: float, forward_s: float) -> None:
+        """After a forward that audited ``queries`` in ``audit_s`` seconds of the audit's own, in a
+        forward of ``forward_s`` seconds: the next known-situation forward's count."""
+        if self.share is None or queries <= 0 or forward_s <= 0 or audit_s < 0:
+            return
+        per = audit_s / queries
+        self.per_query = per if self.per_query is None else (1 - _SMOOTH) * self.per_query + _SMOOTH * per
+        fits = self.share * forward_s / max(self.per_query, 1e-9)
+        self.count = int(max(1, min(self.queries, fits, GROWTH * max(self.count, 1))))
+
+    def stats(self) -> dict[str, int]:
+        return {"audit_queries_per_forward": self.count, "audit_forwards_new_situation": self.new}
+
+
+def shape_class(rows: int, prefill: bool) -> tuple[bool, int]:
+    """A batch's shape class: whether it holds prefill tokens, and its rows to the next power of two."""
+    return prefill, 1 << max(0, rows - 1).bit_length()
