@@ -51,7 +51,7 @@ def test_a_table_entry_off_by_one_is_found_in_the_forward_it_strikes(canary):
     assert f["rid"] == out["meta_info"]["id"]
     bad = [v for v in _violations(events) if v["position"] == 7 and v["request"] == f["rid"]]
     assert bad and all("POSITION" in v["checks"] for v in bad)
-    assert all(v["stored_position"] == 8 for v in bad)  # the slot it pointed at holds the next position
+    assert all(v["stored_position"] == 8 for v in bad)  # the entry holds the next position's slot
 
 
 def test_raise_fails_the_forwards_requests_in_the_callers_thread_and_the_engine_goes_on(canary):

@@ -12,7 +12,7 @@ forward, so the engine's own state is whole again for the tests that follow:
   one byte of the KV at position ``p`` of a request whose prompt starts with ``prefix`` and that
   reads ``p`` from the cache in this forward (a radix-cache hit in an extend, or a decode);
 - ``{"kind": "shift", "prefix": [...], "position": p}``: that request's ``req_to_token`` entry at
-  ``p`` off by one (the next slot) for the forward.
+  ``p`` off by one position (it holds the slot of ``p + 1``) for the forward.
 
 After each batch it writes ``DIR/state.json``: the last command applied, the faults injected (with
 the forward they struck), the canary's stats and the requests it failed.
@@ -124,7 +124,7 @@ class Control:
         record = dict(fault, rid=req.rid, slot=slot, forward=ad.forwards, command=self.command.get("id"))
         self.injected.append(record)
         if fault["kind"] == "shift":
-            table[row, p] = slot + 1
+            table[row, p] = table[row, p + 1]
 
             def undo():
                 table[row, p] = slot
