@@ -47,3 +47,20 @@ def test_shared_prefix_is_served_from_the_radix_cache_and_tokens_repeat(engine):
         # the whole prompt but its last token, whose logits the request needs, comes from the cache
         assert b["meta_info"]["cached_tokens"] == len(p) - 1
     assert sum(a["meta_info"]["cached_tokens"] for a in first) < sum(b["meta_info"]["cached_tokens"] for b in second)
+
+
+def test_without_kvcanary_mode_the_plugin_leaves_sglangs_methods_as_they_are(engine):
+    from importlib.metadata import entry_points
+
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    assert "kvcanary" in {ep.name for ep in entry_points(group="sglang.srt.plugins")}
+    import sglang.srt.plugins as plugins
+
+    assert plugins._plugins_loaded  # SGLang loaded the plugins in this process (the engine's)
+    for fn in (ModelRunner.forward, TpModelWorker.forward_batch_generation, TokenToKVPoolAllocator.free,
+               TokenToKVPoolAllocator.clear, ReqToTokenPool.free):
+        assert fn.__module__.startswith("sglang.") and not hasattr(fn, "__wrapped__"), fn

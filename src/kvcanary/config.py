@@ -330,6 +330,8 @@ OTHER_ENV: dict[str, str] = {
     "KVCANARY_STAMP_STORE": "the vLLM connector's stamp directory, beside another connector's stored KV",
     "KVCANARY_TEST_FAULT": "the vLLM tests' fault plugin: the fault to inject in every worker",
     "KVCANARY_TEST_FAULT_AT": "the vLLM tests' fault plugin: the forward it is injected at",
+    "KVCANARY_SGLANG_FUZZ": "the SGLang tests: rounds of the randomized clean fuzz (0: off)",
+    "KVCANARY_TEST_CONTROL": "the SGLang tests' control plugin: the directory its commands and state are in",
     "KVCANARY_REAL_PYTHON": "the vLLM fuzz: an interpreter with kvcanary's real extra, to convert the trained model",
 }
 _warned: set[str] = set()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import time
 import weakref
@@ -119,6 +120,25 @@ class Adapter:
             return None
         self._first_read_hits[key] = k + 1
         return readers[k]
+
+    def verify_new_readers(self, steps: dict[str, Step], rids: list[str], seen: set[str]) -> None:
+        """Every request of this forward not in ``seen`` (added to it) reads for the first time: in
+        each canary's step (by name), the positions ``[read_start, written_from)`` of its row, which it
+        did not write, are verified byte for byte before the forward (:meth:`verify_first_read`); the
+        record of the last forward's first reads is dropped first. ``rids[r]`` is row ``r``'s request
+        (``""``: padding). Every step needs its ``written_from``."""
+        self.forget_first_reads()
+        if not set(rids).difference(seen, ("",)):
+            return  # no request new to this adapter
+        for i, rid in enumerate(rids):
+            if not rid or rid in seen:
+                continue
+            seen.add(rid)
+            for name, step in steps.items():
+                assert step.written_from is not None
+                start, end = int(step.starts()[i]), int(step.written_from[i])
+                if end > start:
+                    self.verify_first_read(name, step, i, start, end, rid)
 
     def forget_first_reads(self) -> None:
         """Drop the record of the forward's first reads (once its reports are out)."""
@@ -253,6 +273,13 @@ class Adapter:
         out.update(self.heal_counts())
         out["canary_us"] = int(self.seconds * 1e6)
         return out
+
+
+def named(v: Violation, rids: list[str]) -> Violation:
+    """``v`` with the request of its step row (``rids[row]``; none for a padding row or a record of
+    no row, such as the patrol's)."""
+    rid = rids[v.row] if 0 <= v.row < len(rids) and rids[v.row] else None
+    return dataclasses.replace(v, request=rid)
 
 
 WORST_OF = frozenset({"patrol_pass_steps", "unverified_age_max_steps"})  # bounds: the largest, not the sum

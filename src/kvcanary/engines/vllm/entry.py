@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
-from kvcanary.engines.base import Adapter, hook
+from kvcanary.engines.base import Adapter, hook, named
 from kvcanary.engines.vllm import backends
 from kvcanary.engines.vllm import heal as vllm_heal
 from kvcanary.engines.vllm import positions
@@ -291,19 +291,11 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         did not write: every byte of them is verified before this forward, in every group over the
         positions its kernel reads (up to the positions this same step writes or another connector
         lands, which are checked as they are written or land)."""
-        self.forget_first_reads()
-        if not set(rows.rids).difference(self.seen, ("",)):
-            return  # no request new to this worker
-        for i, rid in enumerate(rows.rids):
-            if not rid or rid in self.seen:
-                continue
-            self.seen.add(rid)
-            for g in live:
-                step = g.step
-                assert step is not None and step.written_from is not None
-                start, end = int(step.starts()[i]), int(step.written_from[i])
-                if end > start:
-                    self.verify_first_read(g.name, step, i, start, end, rid)
+        steps = {}
+        for g in live:
+            assert g.step is not None
+            steps[g.name] = g.step
+        self.verify_new_readers(steps, rows.rids, self.seen)
 
     def wait_for_save(self) -> None:
         if any(g.step is not None for g in self.groups):
@@ -328,9 +320,9 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
                 g.canary.patrol()
             group = g.name if len(self.groups) > 1 else None
             found += [dataclasses.replace(self._first_reader(g.name, v) if v.site == Site.FIRST_READ
-                                          else _named(v, rows.rids), group=group) for v in g.canary.drain()]
+                                          else named(v, rows.rids), group=group) for v in g.canary.drain()]
         one = len(self.groups) == 1
-        found += [dataclasses.replace(_named(v, rows.rids), group=None if one else v.group) for v in self.audit.drain()]
+        found += [dataclasses.replace(named(v, rows.rids), group=None if one else v.group) for v in self.audit.drain()]
         self.audit.end()
         self.forwards += 1
         self.report_and_heal(found)
@@ -399,11 +391,6 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
             g.step = None
         self.rows = None
         Adapter.recover(self)
-
-
-def _named(v: Violation, rids: list[str]) -> Violation:
-    rid = rids[v.row] if 0 <= v.row < len(rids) and rids[v.row] else None
-    return dataclasses.replace(v, request=rid)
 
 
 def _pp_rank() -> int:
