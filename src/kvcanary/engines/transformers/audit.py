@@ -155,7 +155,7 @@ class CbAudit(EngineAudit):
         finally:
             self.stash.clear()
             self.qstash.clear()
-            self.charge(time.perf_counter() - t0)
+            self.spent += time.perf_counter() - t0  # inside the after-forward hook, which counts its time
 
     def end(self) -> None:
         super().end()

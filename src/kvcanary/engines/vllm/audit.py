@@ -217,7 +217,7 @@ class VllmAudit(EngineAudit):
         except Exception as e:
             self.failed(e)
         finally:
-            self.charge(time.perf_counter() - t0)
+            self.spent += time.perf_counter() - t0  # inside the after-forward hook, which counts its time
 
     def failed(self, e: Exception) -> None:
         self._wide = None
