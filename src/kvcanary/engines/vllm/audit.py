@@ -338,6 +338,12 @@ class _Wide:
         self.half = np.zeros((len(names), len(toks)), dtype=np.int64)
         self.head = np.zeros_like(self.half)
         self.kept = np.zeros((max(len(qt), 1), 2, width), dtype=np.uint8)
+        self.kept_at = int(self.kept.ctypes.data)
+        self.md: Any = None  # the last metadata seen, and whether its attention is causal
+        self.md_causal = True
+        from kvcanary.fused.audit import keep_layer
+
+        self.keep_layer = keep_layer
         self.ptrs = np.zeros((len(names), 4), dtype=np.int64)
         self.audited = set(qt[:, Q_LAYER].tolist())  # the layer rows with queries
         self.wrote: list[int] = []
@@ -373,14 +379,14 @@ class _Wide:
              value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
         """Inside one layer: its write check and its audited queries' rows kept (a layer whose tensors
         differ from the forward's first in dtype or strides is checked as it goes, by the per-layer path)."""
-        from kvcanary.fused.audit import keep_layer
-
         name = layer.layer_name
         li = self.index.get(name)
         if li is None:
             return
         c = audit._static[name]
-        if not c.checked or not getattr(md, "causal", True) or getattr(md, "dynamic_causal", None) is not None:
+        if md is not self.md:  # a group's layers share one metadata object a forward: its checks once
+            self.md, self.md_causal = md, getattr(md, "causal", True) and getattr(md, "dynamic_causal", None) is None
+        if not c.checked or not self.md_causal:
             return
         out3 = output.view(output.shape[0], c.heads, -1)
         shape = (key.stride(), value.stride(), query.stride(), out3.stride(), key.dtype, value.dtype, query.dtype,
@@ -394,14 +400,14 @@ class _Wide:
             return
         write = audit.write_tokens is not None and c.writes
         audited = li in self.audited
-        keep_layer(self.table, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0,
+        self.keep_layer(self.table, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0,
                    query.data_ptr() if audited else 0, out3.data_ptr() if audited else 0, self.st, self.steps,
                    self.toks, self.half, self.head, self.qt, self.kept)
         if write:
             self.wrote.append(li)
         if audited:
-            self.ptrs[li, PTR_Q] = self.kept.ctypes.data
-            self.ptrs[li, PTR_O] = self.kept.ctypes.data + self.width
+            self.ptrs[li, PTR_Q] = self.kept_at
+            self.ptrs[li, PTR_O] = self.kept_at + self.width
 
     def finish(self, audit: VllmAudit) -> None:
         """After the forward: every kept layer's queries in one compiled call, and the write checks'
