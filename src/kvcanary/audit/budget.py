@@ -54,7 +54,6 @@ class QueryBudget:
         self.balance = 0.0  # seconds the audit spent under (+) or over (-) its share so far, bounded
         self.situation: Hashable = None
         self.new = 0  # forwards audited at the full count because their situation was new
-        self._planned = 0
 
     def plan(self, situation: Hashable) -> int:
         """This forward's count: the full count where ``situation`` differs from the last forward's or
@@ -64,7 +63,6 @@ class QueryBudget:
         self.audited += 1
         n = self.queries if fresh or self.share is None else self.count
         self.new += int(fresh and self.share is not None)
-        self._planned = n
         return n
 
     def observe(self, queries: int, audit_s: float, forward_s: float) -> None:

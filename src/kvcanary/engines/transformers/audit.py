@@ -65,7 +65,6 @@ class CbAudit(EngineAudit):
         self._deferred = False  # this forward is checked after it, from references to its tensors
         self._order: list[int] = []  # the layers, in the order the rotation walks them
         self._dev = torch.device("cpu")
-        self._token_bytes = 1
         self._pool_key: tuple[Any, ...] = ()
         self._qt: np.ndarray | None = None  # this forward's compiled query table
         self._fl: np.ndarray | None = None  # and its floats (each layer's scale, soft-cap, tolerance; sinks)
@@ -84,9 +83,6 @@ class CbAudit(EngineAudit):
         self._order = sorted(self._layers)
         if groups:
             self._dev = next(iter(groups.values())).canary.device
-            # a token's K and V bytes in the engine's cache, whatever the canary's content layout
-            # reads (none with content="none")
-            self._token_bytes = max(g.pages.layer(g.pages.layers[0]).token_bytes for g in groups.values())
             # a new pool or dtype is a new situation for the audit's budget
             self._pool_key = tuple((g.pages.cache.data_ptr(), str(g.pages.cache.dtype)) for g in groups.values())
 

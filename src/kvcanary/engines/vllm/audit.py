@@ -33,8 +33,8 @@ import torch
 from kvcanary.audit.budget import shape_class
 from kvcanary.audit.records import LayerPlan, Writes, plan_layers
 from kvcanary.audit.reference import DTYPES
-from kvcanary.audit.tables import (L_ESIZE, L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, Q_LAYER, Q_LOCAL, S_O, S_Q, STRIDE_COLUMNS, floats,
-                                   query_table, strides)
+from kvcanary.audit.tables import (L_ESIZE, L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, Q_LAYER, Q_LOCAL, S_O, S_Q,
+                                   STRIDE_COLUMNS, floats, query_table, strides)
 from kvcanary.engines.audit import NO_QUERIES, NO_TOKENS, EngineAudit
 from kvcanary.geometry.base import KvGeometry
 
@@ -151,8 +151,9 @@ class VllmAudit(EngineAudit):
         q = qsl[1:] - qsl[:-1]
         valid = np.asarray(rows.valid.numpy(), dtype=bool)[: len(q)]
         layers = [n for g in live for n in g.plan.layers if n in self.groups]
-        situation = (shape_class(len(q), bool((q > 1).any())), tuple(self.geometry[n].tensor.data_ptr()
-                                                                      for n in layers[:1]))
+        # a new pool (or dtype: a new pool) or batch shape class is a new situation for the budget
+        pool = self.geometry[layers[0]].tensor.data_ptr() if layers else 0
+        situation = (shape_class(len(q), bool((q > 1).any())), pool)
         queries = self.sample(layers, q * valid, qsl, cached, self.index.__getitem__, lambda n: self.groups[n].name,
                               situation=situation, rids=rows.rids)
         windows = {self.index[n]: self.groups[n].plan.window for n in layers}
@@ -358,8 +359,8 @@ class _Wide:
 
         names, table, fl, index = base
         by_number = {c.number: (i, c) for i, c in enumerate(statics)}
-        mine = [q for q in queries if q.layer in by_number and by_number[q.layer][1].audited]
         picked = [i for i, q in enumerate(queries) if q.layer in by_number and by_number[q.layer][1].audited]
+        mine = [queries[i] for i in picked]
         window = {n: audit.groups[n].plan.window for n in names}
 
         def sink(q: Any) -> float | None:
@@ -401,8 +402,8 @@ class _Wide:
         write = audit.write_tokens is not None and c.writes
         audited = li in self.audited
         self.keep_layer(self.table, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0,
-                   query.data_ptr() if audited else 0, out3.data_ptr() if audited else 0, self.st, self.steps,
-                   self.toks, self.half, self.head, self.qt, self.kept)
+                        query.data_ptr() if audited else 0, out3.data_ptr() if audited else 0, self.st, self.steps,
+                        self.toks, self.half, self.head, self.qt, self.kept)
         if write:
             self.wrote.append(li)
         if audited:
