@@ -40,6 +40,7 @@ STAGES = [
     ("kvcanary.engines.audit", "EngineAudit", "run_compiled", "  compiled call"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.model_positions", "__wrapped__", "position check"),
     ("kvcanary.engines.vllm.audit", "_Wide", "keep", "per-layer keep (write check, audited rows copied)"),
+    ("", "", "", "  compiled keep call (write check, fold, rows copied)"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.after_forward", "__wrapped__", "after-forward hook"),
     ("kvcanary.engines.vllm.audit", "VllmAudit", "finish", "  read audit after the forward (one call)"),
     ("kvcanary.canary", "Canary", "after_forward", "  canary.after_forward (stamp, guard, patrol)"),
@@ -52,13 +53,35 @@ STAGES = [
 CANARY = ("before-forward hook", "position check", "per-layer checks (write check, read audit)",
           "per-layer keep (write check, audited rows copied)", "after-forward hook")
 PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call",
-            "per-layer keep (write check, audited rows copied)")
+            "per-layer keep (write check, audited rows copied)", "  compiled keep call (write check, fold, rows copied)")
 
 
 def _install(spent: dict[str, float], calls: dict[str, int]) -> None:
     import importlib
 
+    def timed(fn: Any, stage: str) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[stage] += time.perf_counter() - t
+                calls[stage] += 1
+
+        return wrapper
+
     for module, owner, attr, stage in STAGES:
+        if not module:  # the compiled keep: each forward's plan holds it (numba loads with the engine, not before)
+            from kvcanary.engines.vllm import audit
+
+            made = audit._Wide.__init__
+
+            def init(self: Any, *a: Any, _made: Any = made, _stage: str = stage, **k: Any) -> None:
+                _made(self, *a, **k)
+                self.keep_layer = timed(self.keep_layer, _stage)
+
+            audit._Wide.__init__ = init  # type: ignore[method-assign]
+            continue
         obj: Any = importlib.import_module(module)
         for part in filter(None, owner.split(".")):
             obj = getattr(obj, part)

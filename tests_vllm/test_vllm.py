@@ -35,9 +35,13 @@ CLEAN = [
 @pytest.mark.parametrize("cfg", CLEAN, ids=["shared"])
 def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, cfg):
     base = engine(tiny_llama, **cfg)
-    run = engine(tiny_llama, canary=True, **cfg)
+    run = engine(tiny_llama, canary=True, full_scrub=True, **cfg)
     st = run["stats"]
     assert run["violations"] == [] and st["internal_errors"] == 0
+    # the stamps' content, folded layer by layer inside the forward (every forward after the first,
+    # whose layers are seen for the first time), is what the cache holds after it
+    assert 0 < st["content_folded_in_layers"] < st["slots_stamped"]
+    assert run["full_scrub"]["slots"] > 0 and run["full_scrub"]["violations"] == []
     assert st["slots_verified"] > 0 and st["content_bytes_verified"] > 0 and st["slots_stamped"] > 0
     assert sorted(run["tokens"].values()) == sorted(base["tokens"].values())
     assert run["loop_signatures_added"] == []  # kvcanary warmup compiled every loop a default run calls

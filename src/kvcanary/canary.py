@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any, Callable, Iterable, TypeVar
 
+import numpy as np
 import torch
 
 from kvcanary import checks, ops, step_check
@@ -244,7 +245,8 @@ class Canary:
             self.ledger.mark(slots, self.forwards)
 
     @_guarded(_forget_written)
-    def after_forward(self, step: Step, padding_slots: torch.Tensor | None = None, patrol: bool = False) -> None:
+    def after_forward(self, step: Step, padding_slots: torch.Tensor | None = None, patrol: bool = False,
+                      folded: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Stamp every slot the step wrote, fingerprinting its KV bytes, and check the writes; then
         verify the reads of slots this step wrote (``step.written_from``).
 
@@ -258,11 +260,16 @@ class Canary:
         every slot then becomes unknown, since which slots the forward wrote cannot be told.
 
         ``patrol``: run this forward's share of the patrol scrub too, once the forward is counted
-        (as :meth:`patrol` called after it would; on the fused path in the same compiled call)."""
+        (as :meth:`patrol` called after it would; on the fused path in the same compiled call).
+
+        ``folded`` (fused path): the new tokens' fingerprints an engine's per-layer hook folded while
+        each layer wrote (uint64 and int64 ``[step.num_new]``: each token's sum and how many of the
+        layout's sources it covers, :func:`kvcanary.fused.audit.keep_layer`); a token they cover
+        whole is stamped with it, any other is fingerprinted from the cache here."""
         if self._fast is not None:
             n = self.patrol_slots if patrol else 0
             done = self._fast.after(self._described(step), self.validate, self.forwards, padding_slots is None,
-                                    self.walk.cursor, n)
+                                    self.walk.cursor, n, folded)
             if done < 0:
                 step_check.refuse(step, self.num_slots)
             if done == 0:  # kvcanary.fused.forward.DONE: the guard, the count and the patrol ran

@@ -152,7 +152,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     this many drafts); engine sizes ``num_blocks`` (``None``: what the KV cache space holds),
     ``block_size``, ``max_batched``, ``max_seqs``, ``max_model_len``, ``dtype``, ``tensor_parallel``,
     ``prefix_caching``; ``abort`` (a step count: half the requests start, every other one of them is
-    aborted after that many steps, then the rest join).
+    aborted after that many steps, then the rest join); ``full_scrub`` (after the run, every slot's
+    bytes compared with its stamp: :func:`full_scrub`, returned as ``full_scrub``).
 
     Returns ``tokens`` (request id, with ``/j`` for the j-th of ``n`` samples -> generated ids),
     ``finish`` (the same keys -> vLLM's finish reason: ``length``, ``stop``, ``error``...),
@@ -223,6 +224,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
         # compiled-loop signatures the run needed beyond the warm-up's (kvcanary warmup compiles those)
         out["loop_signatures_added"] = fused.added_since_warm_up()
+        if cfg.get("full_scrub"):
+            out["full_scrub"] = full_scrub(canary)
     if fault is not None and canary is not None:
         out["fault"] = fault.detail
     return out
@@ -277,6 +280,21 @@ def _engine(cfg: dict[str, Any], kv_transfer_config: dict[str, Any] | None) -> A
                max_num_batched_tokens=cfg.get("max_batched", 2048), max_num_seqs=cfg.get("max_seqs", 16),
                max_model_len=cfg.get("max_model_len", 512), tensor_parallel_size=cfg.get("tensor_parallel", 1),
                kv_transfer_config=kv_transfer_config, seed=0)
+
+
+def full_scrub(conn: Any) -> dict[str, Any]:
+    """After a run: every slot of every group's pool fingerprinted again and compared with its stamp
+    (``slots``: the stamped slots compared; ``violations``: what differed, as text)."""
+    import torch
+
+    slots, found = 0, []
+    for g in conn.groups:
+        c = g.canary
+        before = c.stats().get("slots_scrubbed", 0)
+        c.scrub(torch.arange(c.num_slots, device=c.device))
+        slots += c.stats().get("slots_scrubbed", 0) - before
+        found += [v.describe() for v in c.drain()]
+    return {"slots": slots, "violations": found}
 
 
 def process_canary() -> Any:

@@ -192,36 +192,45 @@ class SourceTable:
 
 
 @njit(inline="always", **JIT)
+def fold_source(src, runs, keys, i, slot):  # type: ignore[no-untyped-def]
+    """Source ``i``'s part of one slot's fingerprint (``0 <= slot < num_slots``): its words' sum,
+    unfinished. The parts of a slot's sources add up (mod 2**64) in any order, so they may be folded
+    at different times (:func:`kvcanary.fused.audit.keep_layer` folds each layer's as it writes)."""
+    acc = np.uint64(0)
+    ps = src[i, A_PS]
+    page = slot // ps
+    inpage = slot - page * ps
+    pack = src[i, A_PACK]
+    base = (src[i, A_ADDR] + page * src[i, A_PGS] + (inpage // pack) * src[i, A_PKS]
+            + (inpage % pack) * src[i, A_TKS])
+    width = src[i, A_WIDTH]
+    left = src[i, A_WORDS]
+    r = src[i, A_RUN0]
+    # the keys through a raw address too: an array index the compiler cannot prove
+    # non-negative keeps the loop scalar (half the speed)
+    kp = keys.ctypes.data + 8 * src[i, A_KEY0]
+    if width == 0:
+        rw = src[i, A_RUNW]
+        while left > 0:
+            a = base + runs[r]
+            nw = min(rw, left)
+            for j in range(nw):
+                acc += wmix(ld_w64(a + 8 * j) ^ ld_w64(kp + 8 * j))
+            kp += 8 * nw
+            left -= nw
+            r += 1
+    else:
+        for j in range(left):
+            acc += wmix(ld_word(base + runs[r + j], width) ^ ld_w64(kp + 8 * j))
+    return acc
+
+
+@njit(inline="always", **JIT)
 def fold_slot(src, runs, keys, slot):  # type: ignore[no-untyped-def]
     """The fingerprint of one slot (``0 <= slot < num_slots``) over every source, as int64."""
     acc = np.uint64(0)
     for i in range(src.shape[0]):
-        ps = src[i, A_PS]
-        page = slot // ps
-        inpage = slot - page * ps
-        pack = src[i, A_PACK]
-        base = (src[i, A_ADDR] + page * src[i, A_PGS] + (inpage // pack) * src[i, A_PKS]
-                + (inpage % pack) * src[i, A_TKS])
-        width = src[i, A_WIDTH]
-        left = src[i, A_WORDS]
-        k = src[i, A_KEY0]
-        r = src[i, A_RUN0]
-        # the keys through a raw address too: an array index the compiler cannot prove
-        # non-negative keeps the loop scalar (half the speed)
-        kp = keys.ctypes.data + 8 * k
-        if width == 0:
-            rw = src[i, A_RUNW]
-            while left > 0:
-                a = base + runs[r]
-                nw = min(rw, left)
-                for j in range(nw):
-                    acc += wmix(ld_w64(a + 8 * j) ^ ld_w64(kp + 8 * j))
-                kp += 8 * nw
-                left -= nw
-                r += 1
-        else:
-            for j in range(left):
-                acc += wmix(ld_word(base + runs[r + j], width) ^ ld_w64(kp + 8 * j))
+        acc += fold_source(src, runs, keys, i, slot)
     return finish_content(acc)
 
 

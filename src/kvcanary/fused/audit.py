@@ -31,8 +31,8 @@ from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD
                                    L_HEADS, L_K, L_MAX_SLOT, L_QCODE, L_STEP, L_V, LAYER_COLUMNS, PTR_K, PTR_O, PTR_Q,
                                    PTR_V, Q_CACHED, Q_HEAD, Q_KV_HEAD, Q_LAYER, Q_LOCAL, Q_PICKED, Q_POSITION, Q_ROW,
                                    Q_SINK, Q_START, Q_TOKEN, S_K, S_O, S_Q, S_V)
-from kvcanary.fused._core import JIT, ld_i64, ld_u8, ld_u16, ld_u32
-from kvcanary.fused._step import NS, lookup, rd
+from kvcanary.fused._core import JIT, fold_source, ld_i64, ld_u8, ld_u16, ld_u32
+from kvcanary.fused._step import NNEW, NS, lookup, rd
 from kvcanary.fused.cache import njit
 
 
@@ -201,16 +201,37 @@ def _check_writes(c, ka, va, strides, steps, toks, half, head):  # type: ignore[
 
 
 @njit(**JIT)
-def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt, kept):  # type: ignore[no-untyped-def]
+def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt, kept, fsrc, fruns, fkeys, lfold, facc,
+               fcnt):  # type: ignore[no-untyped-def]
     """Inside one layer's forward, what :func:`check_forward` needs of it after the forward: its write
     check now (``ka``: its computed K's address, 0: none; ``va``: its V's), into the ``half`` and
     ``head`` rows of layer ``lay``; and a copy of its audited queries' rows, the query at ``qa`` and
     the output at ``oa`` (0: none), into ``kept`` (``[S, 2, dim * element size]`` bytes: a query's
     table row ``s`` holds its query at ``[s, 0]`` and its output at ``[s, 1]``), because the engine
-    may reuse those tensors' memory in a later layer."""
+    may reuse those tensors' memory in a later layer.
+
+    And the layer's part of every new token's fingerprint, folded while its bytes are in the caches
+    (the stamp after the forward would read each again, one cache line per element in a column-major
+    K): sources ``lfold[lay, 0]`` to ``lfold[lay, 1]`` of the source table ``fsrc``/``fruns``/``fkeys``
+    (:class:`kvcanary.fused._core.SourceTable`'s arrays, every group's together) are added into
+    ``facc[g, t]`` for new token ``t`` of the layer's step ``g``, and counted in ``fcnt[g, t]``
+    (``facc`` of no columns: nothing folded)."""
     c = layers[lay]
     if ka != 0:
         _check_writes(c, ka, va, strides, steps, toks, half[lay], head[lay])
+    f0, f1 = lfold[lay, 0], lfold[lay, 1]
+    if f1 > f0 and facc.shape[1] > 0:
+        g = c[L_STEP]
+        step = steps[g]
+        top = c[L_MAX_SLOT]
+        for t in range(min(facc.shape[1], step[NNEW])):
+            s = rd(step, NS, t)
+            if 0 <= s <= top:
+                part = np.uint64(0)
+                for i in range(f0, f1):
+                    part += fold_source(fsrc, fruns, fkeys, i, s)
+                facc[g, t] += part
+                fcnt[g, t] += f1 - f0
     if qa == 0:
         return
     esz = c[L_ESIZE]

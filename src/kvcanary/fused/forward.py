@@ -21,8 +21,8 @@ import numpy as np
 from kvcanary.fused._core import JIT, ld_i64
 from kvcanary.fused._step import CL, NNEW, NROWS, NS, WF, bump, checked_out, rd
 from kvcanary.fused.cache import njit
-from kvcanary.fused.ops import (_K_SCBYTES, _K_SCRUBBED, _NO_LEDGER, _STEPS, _guard, _seeds, _stamp, _validate,
-                                _verify, mark_checked, scrub_one)
+from kvcanary.fused.ops import (_K_SCBYTES, _K_SCRUBBED, _NO_FOLD, _NO_LEDGER, _STEPS, _guard, _seeds, _stamp,
+                                _validate, _verify, mark_checked, scrub_one)
 from kvcanary.fused.steps import _note_writers
 from kvcanary.violations import Site
 
@@ -53,12 +53,13 @@ def _before(d, c, k, src, runs, keys, led_at, led_before):  # type: ignore[no-un
 
 
 @njit(**JIT)
-def _after(d, c, k, src, runs, keys, writers, led_at, led_before):  # type: ignore[no-untyped-def]
+def _after(d, c, k, src, runs, keys, writers, led_at, led_before, pre_acc, pre_cnt):  # type: ignore[no-untyped-def]
     """INVALID: the step's values fail the check, nothing done. STAMPED: the writes are stamped and
     recorded, and the rest of the forward's work is the caller's (``K_TAIL`` was 0, or some row
     reads slots this step wrote). DONE: that rest ran too: the guard slots, the step count, and the
     patrol's ``K_PATROL_N`` slots from ``K_PATROL_FROM`` (marked in the ledger at the forward the
-    canary counts next, as a separate patrol call after the forward would)."""
+    canary counts next, as a separate patrol call after the forward would). ``pre_acc`` and
+    ``pre_cnt``: the new tokens' fingerprints folded during the forward (:func:`kvcanary.fused.ops._stamp`)."""
     stamps, num_slots, counters, ring, cap, bps = c[C_STAMPS], c[C_NUM_SLOTS], c[C_COUNTERS], c[C_RING], c[C_CAP], \
         c[C_BPS]
     forward = k[K_FORWARD]
@@ -68,7 +69,7 @@ def _after(d, c, k, src, runs, keys, writers, led_at, led_before):  # type: igno
     seed = np.empty(nrows, dtype=np.int64)
     mode = np.empty(nrows, dtype=np.int64)
     _seeds(d, stamps, num_slots, seed, mode)
-    _stamp(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, seed, mode)
+    _stamp(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, seed, mode, pre_acc, pre_cnt)
     _note_writers(d, writers, num_slots, ld_i64(counters + 8 * _STEPS))
     if led_at.shape[0]:
         for t in range(d[NNEW]):
@@ -133,11 +134,16 @@ class ForwardArgs:
         k[K_CONTENT], k[K_PART], k[K_CHECK], k[K_FORWARD] = content_slots, part, check, forward
         return int(_before(d, self.record, k, *self.tables, *self.led))
 
-    def after(self, d: np.ndarray, check: bool, forward: int, tail: bool, patrol_from: int, patrol_n: int) -> int:
+    def after(self, d: np.ndarray, check: bool, forward: int, tail: bool, patrol_from: int, patrol_n: int,
+              folded: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         k = self.call
         k[K_CHECK], k[K_FORWARD], k[K_TAIL], k[K_PATROL_FROM], k[K_PATROL_N] = check, forward, tail, patrol_from, \
             patrol_n
-        return int(_after(d, self.record, k, *self.tables, self.writers, *self.led))
+        acc, cnt = folded if folded is not None else (_NO_FOLD, _NO_LEDGER)
+        if acc.dtype != np.uint64 or cnt.dtype != np.int64 or acc.shape != cnt.shape or acc.ndim != 1:
+            raise ValueError(f"folded: expected uint64 and int64 arrays of one length, got {acc.dtype} "
+                             f"{acc.shape} and {cnt.dtype} {cnt.shape}")
+        return int(_after(d, self.record, k, *self.tables, self.writers, *self.led, acc, cnt))
 
 
 def warm_up(d: np.ndarray, record: np.ndarray, tables: tuple[np.ndarray, ...], writers: np.ndarray) -> None:
@@ -147,4 +153,4 @@ def warm_up(d: np.ndarray, record: np.ndarray, tables: tuple[np.ndarray, ...], w
     k[K_CONTENT], k[K_PART], k[K_CHECK] = -1, 1, 1
     _before(d, record, k, *tables, led, led.copy())
     k[K_TAIL], k[K_PATROL_N] = 1, 1
-    _after(d, record, k, *tables, writers, led, led.copy())
+    _after(d, record, k, *tables, writers, led, led.copy(), _NO_FOLD, _NO_LEDGER)

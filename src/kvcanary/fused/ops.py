@@ -14,8 +14,8 @@ import torch
 
 from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UNKNOWN_POS
 from kvcanary.errors import KvCanaryError
-from kvcanary.fused._core import (JIT, SEED, SourceTable, fold_slot, g_term, ld, ld_i32, ld_i64, link_next, prefetch,
-                                  st_i64)
+from kvcanary.fused._core import (JIT, SEED, SourceTable, finish_content, fold_slot, g_term, ld, ld_i32, ld_i64,
+                                  link_next, prefetch, st_i64)
 from kvcanary.fused._step import (CL, ENP, ENT, ER, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
                                   describe, expected_row, lookup, rd, rd2, record, start, table_row, valid)
 from kvcanary.fused._step import _LIM, TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
@@ -225,8 +225,15 @@ def _seeds(d, stamps, num_slots, seed, mode):  # type: ignore[no-untyped-def]
 
 
 @njit(**JIT)
-def _stamp(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, seed, mode):  # type: ignore[no-untyped-def]
+def _stamp(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, seed, mode, pre_acc,
+           pre_cnt):  # type: ignore[no-untyped-def]
+    """Stamp the step's writes and check them. ``pre_acc[t]`` and ``pre_cnt[t]``: new token ``t``'s
+    fingerprint already folded over ``pre_cnt[t]`` of the sources (unfinished, see
+    :func:`kvcanary.fused._core.fold_source`); where that is all of them it is the token's content,
+    else the slot is folded here (empty arrays: every slot is)."""
     nrows, nnew = d[NROWS], d[NNEW]
+    npre = pre_cnt.shape[0]
+    nsrc = src.shape[0]
     step_id = ld_i64(counters + 8 * _STEPS)
     has_src = src.shape[0] > 0
     # the written slots, to find two writes to one slot before any stamp lands
@@ -283,7 +290,10 @@ def _stamp(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, seed
             content = np.int64(0)
             if stamped:
                 if has_src:
-                    content = fold_slot(src, runs, keys, slot)
+                    if t < npre and pre_cnt[t] == nsrc:
+                        content = finish_content(pre_acc[t])
+                    else:
+                        content = fold_slot(src, runs, keys, slot)
                 sa = stamps + 32 * slot
                 if dup[t]:
                     checks |= _C_DUP
@@ -435,6 +445,7 @@ def _validate(d, num_slots):  # type: ignore[no-untyped-def]
 
 
 _NO_LEDGER = np.zeros(0, dtype=np.int64)
+_NO_FOLD = np.zeros(0, dtype=np.uint64)  # no token's fingerprint folded before the stamp
 
 
 def _ring_args(counters: torch.Tensor, ring: torch.Tensor) -> tuple[int, int, int]:
@@ -472,7 +483,8 @@ def stamp(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Te
     seed = np.empty(step.num_rows, dtype=np.int64)
     mode = np.empty(step.num_rows, dtype=np.int64)
     _seeds(d, st, stamps.shape[0], seed, mode)
-    _stamp(d, st, stamps.shape[0], src.src, src.runs, src.keys, c, rg, cap, src.bytes_per_slot, seed, mode)
+    _stamp(d, st, stamps.shape[0], src.src, src.runs, src.keys, c, rg, cap, src.bytes_per_slot, seed, mode, _NO_FOLD,
+           _NO_LEDGER)
 
 
 def _slots_addr(slots: torch.Tensor) -> tuple[torch.Tensor, int]:

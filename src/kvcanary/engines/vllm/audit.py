@@ -36,6 +36,7 @@ from kvcanary.audit.reference import DTYPES
 from kvcanary.audit.tables import (L_ESIZE, L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, Q_LAYER, Q_LOCAL, S_O, S_Q,
                                    STRIDE_COLUMNS, floats, query_table, strides)
 from kvcanary.engines.audit import NO_QUERIES, NO_TOKENS, EngineAudit
+from kvcanary.engines.vllm.fold import Fold, FoldTables, fold_tables
 from kvcanary.geometry.base import KvGeometry
 
 log = logging.getLogger("kvcanary")
@@ -111,6 +112,10 @@ class VllmAudit(EngineAudit):
         self._wide: _Wide | None = None  # this forward's checks, kept for one compiled call after it
         # by the live groups: the covered layers, their layer table, floats and rows
         self._wide_base: dict[tuple[Any, ...], tuple[list[str], np.ndarray, np.ndarray, dict[str, int]]] = {}
+        self._fold_tables: dict[tuple[Any, ...], FoldTables] = {}
+        # each group's new tokens' fingerprints folded in this forward's layers, for its stamp
+        self.folds: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.folded = 0  # new tokens stamped with fingerprints folded in the layers
 
     def register(self, groups: list[Any], geometry: dict[str, KvGeometry]) -> None:
         """The covered groups' layers, checked from now on (``geometry``: each layer's cache)."""
@@ -139,7 +144,7 @@ class VllmAudit(EngineAudit):
 
     def begin(self, live: list[Any], rows: Any, forwards: int) -> None:
         """Plan this forward's write checks and audited queries from the steps' host values."""
-        self.fa, self.plans, self._wide = None, {}, None
+        self.fa, self.plans, self._wide, self.folds = None, {}, None, {}
         self.write_tokens = self.write_index = None
         self._tables, self._step_descs = {}, {}
         if not live or not self.groups or not self.due(forwards):
@@ -188,7 +193,9 @@ class VllmAudit(EngineAudit):
             table[:, L_STEP] = [gi[self.groups[n].name] for n in layers]
             fl = np.concatenate([c.floats for c in statics if c is not None])
             base = self._wide_base[key] = (layers, table, fl, {n: i for i, n in enumerate(layers)})
-        return _Wide.plan(self, live, base, statics, queries)
+            self._fold_tables[key] = fold_tables(live, layers, self.groups, getattr(self.adapter, "spans", {}))
+        fold = Fold(self._fold_tables[key], [g.name for g in live], max(int(g.step.num_new) for g in live))
+        return _Wide.plan(self, live, base, statics, queries, fold)
 
     # ---- inside the forward -----------------------------------------------------------------------
 
@@ -213,6 +220,8 @@ class VllmAudit(EngineAudit):
         if wide is None or self.fa is None:
             return
         t0 = time.perf_counter()
+        self.folds = wide.fold.results()  # folded inside the layers: valid whatever the call below does
+        self.folded += wide.fold.whole()
         try:
             wide.finish(self)
         except Exception as e:
@@ -318,7 +327,8 @@ class VllmAudit(EngineAudit):
         return got[1]
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "audit_forwards_one_call": self.one_call, "audit_layers_skipped": self.skipped}
+        return {**super().stats(), "audit_forwards_one_call": self.one_call, "audit_layers_skipped": self.skipped,
+                "content_folded_in_layers": self.folded}
 
     def close(self) -> None:
         for name in [n for n, a in REGISTRY.items() if a is self]:
@@ -333,9 +343,9 @@ class _Wide:
     of :func:`kvcanary.fused.audit.check_forward`."""
 
     def __init__(self, names: list[str], index: dict[str, int], table: np.ndarray, steps: np.ndarray, qt: np.ndarray,
-                 fl: np.ndarray, width: int, toks: np.ndarray) -> None:
+                 fl: np.ndarray, width: int, toks: np.ndarray, fold: Fold) -> None:
         self.names, self.index, self.table, self.steps, self.qt, self.fl = names, index, table, steps, qt, fl
-        self.toks = toks
+        self.toks, self.fold = toks, fold
         self.half = np.zeros((len(names), len(toks)), dtype=np.int64)
         self.head = np.zeros_like(self.half)
         self.kept = np.zeros((max(len(qt), 1), 2, width), dtype=np.uint8)
@@ -354,7 +364,7 @@ class _Wide:
 
     @classmethod
     def plan(cls, audit: VllmAudit, live: list[Any], base: tuple[list[str], np.ndarray, np.ndarray, dict[str, int]],
-             statics: list[Any], queries: list[Any]) -> "_Wide":
+             statics: list[Any], queries: list[Any], fold: Fold) -> "_Wide":
         from kvcanary.fused._step import describe
 
         names, table, fl, index = base
@@ -374,7 +384,7 @@ class _Wide:
         steps = np.stack([describe(g.step) for g in live])
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
         return cls(names, index, table, steps, qt, np.concatenate([fl, np.asarray(sinks, dtype=np.float64)]), width,
-                   toks)
+                   toks, fold)
 
     def keep(self, audit: VllmAudit, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
@@ -403,7 +413,7 @@ class _Wide:
         audited = li in self.audited
         self.keep_layer(self.table, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0,
                         query.data_ptr() if audited else 0, out3.data_ptr() if audited else 0, self.st, self.steps,
-                        self.toks, self.half, self.head, self.qt, self.kept)
+                        self.toks, self.half, self.head, self.qt, self.kept, *self.fold.layer(li))
         if write:
             self.wrote.append(li)
         if audited:

@@ -111,6 +111,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.geometry: dict[str, KvGeometry] = {}  # each covered layer's cache (kvcanary.geometry)
         self.backends: dict[str, str] = {}  # each covered layer's attention backend (its get_name())
+        self.spans: dict[str, tuple[int, int]] = {}  # each covered layer's sources in its group's layout
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self._mrope_said = False
         self.audit = VllmAudit(self, int(heads))  # the write check and read audit in each attention layer
@@ -198,7 +199,12 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
             layers.append(backends.geometry(backend, kv_caches[n], bs, backends.layer_spec(plan.spec, n)
                                             if plan.spec is not None else None, layout, i))
         self.geometry.update(zip(names, layers))
-        kv = KvLayout(tuple(s for i, g in enumerate(layers) for s in g.sources(f"layer{i}")), reserved=tuple(range(bs)))
+        sources: list[Any] = []
+        for i, (n, g) in enumerate(zip(names, layers)):
+            start = len(sources)
+            sources += g.sources(f"layer{i}")
+            self.spans[n] = (start, len(sources))
+        kv = KvLayout(tuple(sources), reserved=tuple(range(bs)))
         return Canary(layers[0].num_blocks * bs, kv, self.config, healer="vllm")
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -313,7 +319,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
             if g.step is None:
                 continue
             # with this forward's share of the patrol over cold cache
-            g.canary.after_forward(g.step, patrol=not rows.unknown_new)
+            g.canary.after_forward(g.step, patrol=not rows.unknown_new, folded=self.audit.folds.get(g.name))
             if rows.unknown_new:  # a draft the scheduler had not filled in: its slot's stamp is unknown
                 s = g.step.new_slots.long()
                 g.canary.forget(s[(s >= 0) & (g.step.new_tokens < 0)])

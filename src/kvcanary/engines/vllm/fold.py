@@ -1,0 +1,100 @@
+"""vLLM (CPU build): the new tokens' content fingerprints folded inside each layer's forward.
+
+A stamp's content fingerprint is a sum over the slot's words of every layer's K and V
+(:func:`kvcanary.fused._core.fold_source`), so each layer's part can be added as that layer writes,
+while its bytes are still in the CPU's caches. Folded after the forward instead, each token's K in
+vLLM's column-major CPU layout (``vec``, ``vec16``: one element per cache line) is read back from
+memory: about 1 ms a forward for 16 tokens of a 30-layer model, the largest part of the canary's
+time there. The per-layer keep (:func:`kvcanary.fused.audit.keep_layer`) folds its layer's sources
+into :class:`Fold`; the groups' canaries stamp with the sums that cover all of their sources
+(:meth:`kvcanary.canary.Canary.after_forward`'s ``folded``) and fold any other token themselves.
+
+The compiled loops' module is imported when the first tables are made, never at import: numba
+loaded before vLLM's engine starts breaks the start of vLLM 0.32's CPU build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+INVALID = -(1 << 40)  # a count no sum of sources reaches: the forward's folds are not used
+
+
+@dataclass(frozen=True)
+class FoldTables:
+    """The live groups' source tables as one (``src`` rows re-based onto the joined ``runs`` and
+    ``keys``), each covered layer's sources in it (``spans[i]``: from, to; equal: none), and each
+    group's count of sources (``sources[name]``: a token folded over all of them is stamped so)."""
+
+    src: np.ndarray
+    runs: np.ndarray
+    keys: np.ndarray
+    spans: np.ndarray
+    sources: dict[str, int]
+
+
+def fold_tables(live: list[Any], layers: list[str], group_of: dict[str, Any],
+                spans: dict[str, tuple[int, int]]) -> FoldTables:
+    """The fold's tables for a forward over the ``live`` groups (their canaries on the fused path)
+    and the covered ``layers`` in the layer table's order (``spans``: each layer's sources in its
+    group's layout)."""
+    from kvcanary.fused._core import A_KEY0, A_RUN0, NUM_SRC_FIELDS, SourceTable
+
+    srcs, runs, keys = [], [], []
+    first: dict[str, int] = {}
+    n_src = n_run = n_key = 0
+    for g in live:
+        t = getattr(g.canary, "table", None)
+        if not isinstance(t, SourceTable):
+            continue
+        s = t.src.copy()
+        s[:, A_RUN0] += n_run
+        s[:, A_KEY0] += n_key
+        first[g.name] = n_src
+        srcs.append(s)
+        runs.append(t.runs)
+        keys.append(t.keys)
+        n_src, n_run, n_key = n_src + len(s), n_run + len(t.runs), n_key + len(t.keys)
+    out = np.zeros((len(layers), 2), dtype=np.int64)
+    for i, n in enumerate(layers):
+        span, base = spans.get(n), first.get(group_of[n].name)
+        if span is not None and base is not None:
+            out[i] = (base + span[0], base + span[1])
+    count = {g.name: g.canary.table.count for g in live if g.name in first}
+    return FoldTables(np.concatenate(srcs) if srcs else np.zeros((0, NUM_SRC_FIELDS), dtype=np.int64),
+                      np.concatenate(runs) if runs else np.zeros(1, dtype=np.int64),
+                      np.concatenate(keys) if keys else np.zeros(1, dtype=np.uint64), out, count)
+
+
+class Fold:
+    """One forward's folded fingerprints: ``acc[g, t]`` and ``cnt[g, t]`` for new token ``t`` of
+    live group ``g`` (the layer table's ``L_STEP``). A layer seen twice in one forward (its bytes
+    may have changed after its first fold) voids them all."""
+
+    def __init__(self, tables: FoldTables, groups: list[str], tokens: int) -> None:
+        self.tables, self.groups = tables, groups
+        self.acc = np.zeros((len(groups), tokens), dtype=np.uint64)
+        self.cnt = np.zeros((len(groups), tokens), dtype=np.int64)
+        self.args = (tables.src, tables.runs, tables.keys, tables.spans, self.acc, self.cnt)
+        self._off = (tables.src, tables.runs, tables.keys, tables.spans, self.acc[:, :0], self.cnt[:, :0])
+        self._seen: set[int] = set()
+
+    def layer(self, index: int) -> tuple[np.ndarray, ...]:
+        """The keep's fold arguments for layer row ``index`` (none once a layer was seen twice)."""
+        if index in self._seen:
+            self.cnt[:] = INVALID
+            self.args = self._off
+        self._seen.add(index)
+        return self.args
+
+    def results(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Each live group's sums and counts, for its canary's stamp."""
+        return {n: (self.acc[i], self.cnt[i]) for i, n in enumerate(self.groups)}
+
+    def whole(self) -> int:
+        """The new tokens folded over all of their group's sources (stamped with the fold)."""
+        return sum(int(np.count_nonzero(self.cnt[i] == self.tables.sources[n])) for i, n in enumerate(self.groups)
+                   if n in self.tables.sources)
