@@ -6,12 +6,14 @@ content budgets, guard slots, padding writes and reads of slots the same step wr
 import dataclasses
 import random
 
+import numba
 import numpy as np
 import pytest
 import torch
 
 from kvcanary import Canary, CanaryConfig
 from kvcanary.errors import KvCanaryError, StepError
+from kvcanary.fused._core import fold_source
 
 from factories import DEV, clone_step, corrupt, make_layout, prefill_of, random_step
 
@@ -106,3 +108,82 @@ def test_a_bad_step_is_refused_with_the_same_words():
             c.after_forward(clone_step(step))
         errors.append(str(e.value))
     assert errors[0] == errors[1] and "new_slots" in errors[0] and isinstance(e.value, StepError)
+
+
+@numba.njit
+def _fold_parts(src, runs, keys, slots, lo, hi, acc, cnt):  # type: ignore[no-untyped-def]
+    """Sources ``lo`` to ``hi`` of each new slot folded into ``acc`` (an engine's per-layer hook)."""
+    for t in range(slots.shape[0]):
+        s = slots[t]
+        if s >= 0:
+            for i in range(lo, hi):
+                acc[t] += fold_source(src, runs, keys, i, s)
+            cnt[t] += hi - lo
+
+
+@pytest.mark.parametrize("seed,lay", [(seed, lay) for seed in range(4) for lay in ("paged", "packed", "mixed")])
+def test_stamps_from_fingerprints_folded_in_parts_equal_the_stamps_folded_after(seed, lay):
+    """The fingerprints an engine folds source by source while each layer writes
+    (``after_forward(folded=...)``) give the stamps the canary folds from the cache; a token whose
+    fold misses a source is folded from the cache, whatever its partial sum holds."""
+    rng = random.Random(f"folded-{seed}-{lay}")
+    nb, bs = 25, 16
+    n = nb * bs
+    layout = make_layout(lay, nb, bs, seed)
+    fast, slow = _twins(layout, n, None, 0, validate=False)
+    table = fast.table
+    nsrc = table.src.shape[0]
+    assert nsrc >= 2
+    partial = 0
+    for forward in range(4):
+        lens = [(rng.randint(20, 120), rng.randint(0, 3))] + [(rng.randint(0, 20), rng.randint(0, 30)) for _ in range(2)]
+        step, stoks = random_step(rng, n, bs, lens, "block", 0, False, None)
+        for s in (step, prefill_of(step, stoks)):
+            slots = s.new_slots.numpy().astype(np.int64)
+            acc = np.zeros(len(slots), dtype=np.uint64)
+            cnt = np.zeros(len(slots), dtype=np.int64)
+            cut = rng.randrange(1, nsrc)
+            _fold_parts(table.src, table.runs, table.keys, slots, cut, nsrc, acc, cnt)  # the later layers first
+            short = np.array([rng.random() < 0.3 for _ in slots])
+            _fold_parts(table.src, table.runs, table.keys, np.where(short, -1, slots), 0, cut, acc, cnt)
+            acc[short] ^= np.uint64(0x9E3779B97F4A7C15)  # what a missed source leaves is never used
+            partial += int(np.count_nonzero(short & (slots >= 0)))
+            fast.before_forward(clone_step(s))
+            fast.after_forward(clone_step(s), patrol=False, folded=(acc, cnt))
+            slow.before_forward(clone_step(s))
+            slow.after_forward(clone_step(s), patrol=False)
+            _same(_state(fast), _state(slow), forward)
+            assert fast.drain() == slow.drain()
+    assert partial > 0
+
+
+def test_a_folded_argument_of_the_wrong_kind_is_refused():
+    layout = make_layout("paged", 16, 16, 0)
+    fast, _ = _twins(layout, 256, None, 0)
+    step, _ = random_step(random.Random(1), 256, 16, [(10, 2)], "block")
+    fast.before_forward(clone_step(step))
+    with pytest.raises(ValueError, match="folded: expected uint64 and int64"):
+        fast._fast.after(fast._described(clone_step(step)), True, 1, True, 0, 0,
+                         (np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64)))
+
+
+def test_the_fold_tables_join_groups_and_refuse_a_layer_outside_its_group():
+    from types import SimpleNamespace
+
+    from kvcanary.engines.vllm.fold import Fold, fold_tables
+
+    layout = make_layout("paged", 16, 16, 0)
+    a, _ = _twins(layout, 256, None, 0)
+    b, _ = _twins(layout, 256, None, 0)
+    ga, gb = SimpleNamespace(name="a", canary=a), SimpleNamespace(name="b", canary=b)
+    k = a.table.count
+    group_of = {"x": ga, "y": gb}
+    t = fold_tables([ga, gb], ["x", "y"], group_of, {"x": (0, k), "y": (1, k)})
+    assert t.spans.tolist() == [[0, k], [k + 1, 2 * k]] and t.sources == {"a": k, "b": k}
+    assert np.array_equal(t.src[k:, 0], b.table.src[:, 0])
+    fold = Fold(t, ["a", "b"], 4)
+    fold.layer(0)
+    fold.layer(1)
+    assert fold.layer(0)[4].shape[1] == 0 and (fold.cnt < 0).all()  # a layer seen twice voids the forward
+    with pytest.raises(ValueError, match="outside group b"):
+        fold_tables([ga, gb], ["x", "y"], group_of, {"y": (0, k + 1)})

@@ -220,7 +220,7 @@ def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt
     if ka != 0:
         _check_writes(c, ka, va, strides, steps, toks, half[lay], head[lay])
     f0, f1 = lfold[lay, 0], lfold[lay, 1]
-    if f1 > f0 and facc.shape[1] > 0:
+    if 0 <= f0 < f1 <= fsrc.shape[0] and facc.shape[1] > 0:
         g = c[L_STEP]
         step = steps[g]
         top = c[L_MAX_SLOT]

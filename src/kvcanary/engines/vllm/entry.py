@@ -200,12 +200,16 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
                                             if plan.spec is not None else None, layout, i))
         self.geometry.update(zip(names, layers))
         sources: list[Any] = []
+        spans = {}
         for i, (n, g) in enumerate(zip(names, layers)):
             start = len(sources)
             sources += g.sources(f"layer{i}")
-            self.spans[n] = (start, len(sources))
+            spans[n] = (start, len(sources))
         kv = KvLayout(tuple(sources), reserved=tuple(range(bs)))
-        return Canary(layers[0].num_blocks * bs, kv, self.config, healer="vllm")
+        canary = Canary(layers[0].num_blocks * bs, kv, self.config, healer="vllm")
+        if canary.layout is kv:  # its stamps fingerprint these sources (not with content='none')
+            self.spans.update(spans)
+        return canary
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -60,8 +60,12 @@ def fold_tables(live: list[Any], layers: list[str], group_of: dict[str, Any],
         n_src, n_run, n_key = n_src + len(s), n_run + len(t.runs), n_key + len(t.keys)
     out = np.zeros((len(layers), 2), dtype=np.int64)
     for i, n in enumerate(layers):
-        span, base = spans.get(n), first.get(group_of[n].name)
+        g = group_of[n]
+        span, base = spans.get(n), first.get(g.name)
         if span is not None and base is not None:
+            if not 0 <= span[0] <= span[1] <= g.canary.table.count:
+                raise ValueError(f"layer {n}: sources {span[0]} to {span[1]} are outside group {g.name}'s "
+                                 f"{g.canary.table.count} sources")
             out[i] = (base + span[0], base + span[1])
     count = {g.name: g.canary.table.count for g in live if g.name in first}
     return FoldTables(np.concatenate(srcs) if srcs else np.zeros((0, NUM_SRC_FIELDS), dtype=np.int64),
