@@ -101,7 +101,8 @@ class VllmAudit(EngineAudit):
         self.groups: dict[str, Any] = {}  # layer name -> its group (the connector's)
         self.geometry: dict[str, KvGeometry] = {}  # layer name -> its cache's geometry
         self.index: dict[str, int] = {}  # layer name -> its number in the records' "layer" field
-        self.plans: dict[int, LayerPlan] = {}  # by the layer's number
+        self.plans: dict[int, LayerPlan] | None = {}  # by the layer's number (None: not made yet)
+        self._to_plan: tuple[Any, ...] = ([], {})
         self._rows: dict[str, tuple[int, np.ndarray]] = {}  # the compiled loop's layer row, by the cache it was made for
         self._static: dict[str, _Layer] = {}  # layer -> what its checks take from its attention, once seen
         self._tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # this forward's compiled tables by layer
@@ -162,17 +163,20 @@ class VllmAudit(EngineAudit):
         queries = self.sample(layers, q * valid, qsl, cached, self.index.__getitem__, lambda n: self.groups[n].name,
                               situation=situation, rids=rows.rids)
         windows = {self.index[n]: self.groups[n].plan.window for n in layers}
-        self.plans = plan_layers(queries, windows, torch.device("cpu"))
+        self._to_plan = (queries, windows)  # the per-layer path's plans, made when it runs (_layer_plans)
+        self.plans = None
         fa = self.start(forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries, torch.device("cpu"),
                         host=True)
         self.pick_writes(int(qsl[-1]), torch.device("cpu"))
         if all(g.canary.backend == "fused" for g in live):
             self._wide = self._deferred(live, layers, fa.queries)
+        if self._wide is None:
+            self._layer_plans()
         if self._wide is None and any(g.canary.backend == "fused" for g in live):
             from kvcanary.fused._step import describe  # the compiled loop's tables, for each layer's call
 
             self._step_descs = {g.name: describe(g.step)[None] for g in live}
-            for name in (n for n in layers if self.index[n] in self.plans):
+            for name in (n for n in layers if self.index[n] in self._layer_plans()):
                 known = self._static.get(name)
                 if known is not None and known.compiled:
                     self._tables[name] = self._table(name, known)
@@ -229,6 +233,13 @@ class VllmAudit(EngineAudit):
         finally:
             self.spent += time.perf_counter() - t0  # inside the after-forward hook, which counts its time
 
+    def _layer_plans(self) -> dict[int, LayerPlan]:
+        """The per-layer path's plans of this forward's queries, by the layer's number (made on its
+        first use: the one call after the forward needs none)."""
+        if self.plans is None:
+            self.plans = plan_layers(*self._to_plan, torch.device("cpu"))
+        return self.plans
+
     def failed(self, e: Exception) -> None:
         self._wide = None
         super().failed(e)
@@ -246,7 +257,7 @@ class VllmAudit(EngineAudit):
         if not c.checked or not getattr(md, "causal", True) or getattr(md, "dynamic_causal", None) is not None:
             return
         write = self.write_tokens is not None and c.writes
-        plan = self.plans.get(c.number) if c.audited else None
+        plan = self._layer_plans().get(c.number) if c.audited else None
         out3 = output.view(output.shape[0], c.heads, -1)
         geom = self.geometry[name]
         if c.compiled and key.dtype == value.dtype == query.dtype == out3.dtype == c.dtype:
@@ -346,6 +357,7 @@ class _Wide:
                  fl: np.ndarray, width: int, toks: np.ndarray, fold: Fold) -> None:
         self.names, self.index, self.table, self.steps, self.qt, self.fl = names, index, table, steps, qt, fl
         self.toks, self.fold = toks, fold
+        self.write = False  # this forward checks writes (set by plan)
         self.half = np.zeros((len(names), len(toks)), dtype=np.int64)
         self.head = np.zeros_like(self.half)
         self.kept = np.zeros((max(len(qt), 1), 2, width), dtype=np.uint8)
@@ -383,36 +395,39 @@ class _Wide:
         width = max(int(audit.geometry[n].head_dim) * audit.geometry[n].element_size for n in names)
         steps = np.stack([describe(g.step) for g in live])
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
-        return cls(names, index, table, steps, qt, np.concatenate([fl, np.asarray(sinks, dtype=np.float64)]), width,
+        wide = cls(names, index, table, steps, qt, np.concatenate([fl, np.asarray(sinks, dtype=np.float64)]), width,
                    toks, fold)
+        wide.write = audit.write_tokens is not None
+        return wide
 
     def keep(self, audit: VllmAudit, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
         """Inside one layer: its write check and its audited queries' rows kept (a layer whose tensors
-        differ from the forward's first in dtype or strides is checked as it goes, by the per-layer path)."""
-        name = layer.layer_name
-        li = self.index.get(name)
+        differ from the forward's first in dtype, strides or heads is checked as it goes, by the
+        per-layer path). Runs after the layer's matrix products have left the CPU's caches cold, where
+        each distinct tensor call costs microseconds: it makes as few as it can."""
+        li = self.index.get(layer.layer_name)
         if li is None:
             return
-        c = audit._static[name]
+        c = audit._static[layer.layer_name]
         if md is not self.md:  # a group's layers share one metadata object a forward: its checks once
             self.md, self.md_causal = md, getattr(md, "causal", True) and getattr(md, "dynamic_causal", None) is None
         if not c.checked or not self.md_causal:
             return
-        out3 = output.view(output.shape[0], c.heads, -1)
-        shape = (key.stride(), value.stride(), query.stride(), out3.stride(), key.dtype, value.dtype, query.dtype,
-                 out3.dtype)
-        if self.shape is None and key.dtype == value.dtype == query.dtype == out3.dtype == c.dtype:
+        shape = (key.stride(), value.stride(), query.stride(), output.stride(), output.shape, key.dtype, value.dtype,
+                 query.dtype, output.dtype, c.heads)
+        if self.shape is None and key.dtype == value.dtype == query.dtype == output.dtype == c.dtype:
+            out3 = output.view(output.shape[0], c.heads, -1)
             self.shape = shape
             self.st = np.array(strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2)
                                + strides(out3, 0, 1, 2), dtype=np.int64)
         if shape != self.shape:
             audit._check(impl, layer, query, key, value, kv_cache, md, output)
             return
-        write = audit.write_tokens is not None and c.writes
+        write = self.write and c.writes
         audited = li in self.audited
         self.keep_layer(self.table, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0,
-                        query.data_ptr() if audited else 0, out3.data_ptr() if audited else 0, self.st, self.steps,
+                        query.data_ptr() if audited else 0, output.data_ptr() if audited else 0, self.st, self.steps,
                         self.toks, self.half, self.head, self.qt, self.kept, *self.fold.layer(li))
         if write:
             self.wrote.append(li)
