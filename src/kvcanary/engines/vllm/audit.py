@@ -237,7 +237,8 @@ class VllmAudit(EngineAudit):
         """The per-layer path's plans of this forward's queries, by the layer's number (made on its
         first use: the one call after the forward needs none)."""
         if self.plans is None:
-            self.plans = plan_layers(*self._to_plan, torch.device("cpu"))
+            queries, windows = self._to_plan
+            self.plans = plan_layers(queries, windows, torch.device("cpu"))
         return self.plans
 
     def failed(self, e: Exception) -> None:
