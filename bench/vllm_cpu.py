@@ -6,7 +6,9 @@ audit: KVCANARY_WRITE_CHECK=0 KVCANARY_AUDIT_QUERIES=0, so ``x_off`` of ``on`` m
 ``on_noaudit`` is the audit's added wall time); ``on_before`` (the write check and read audit as
 they were before they ran on every forward: every fourth forward, 4 queries, no time budget); ``on_full`` (every read byte verified:
 KVCANARY_CONTENT_BUDGET_BYTES=none); ``on_meta`` (metadata only: KVCANARY_CONTENT=none). ``--modes``
-picks some (``off`` always runs). Every round runs each mode once in that order, so off and on runs alternate over ``--rounds`` rounds; each run is
+picks some (``off`` always runs). Every round runs each mode once, in that order in even rounds and
+the reverse in odd ones (so a machine slowing down or speeding up over the bench weighs on every mode
+alike), over ``--rounds`` rounds; each run is
 a fresh vLLM engine in its own process (:func:`kvcanary.faults.vllm_runner.run_in_subprocess`: vLLM
 keeps per-process globals). Only the generate call is timed: engine start and a 4-request warm-up
 generate on other prompts are not (the canary's counters leave the warm-up out too).
@@ -26,7 +28,9 @@ the demo's 8 chat questions under its system prompt, twice over (16 requests; th
 hits the prefix cache), 64 new tokens each (``--requests`` and ``--max-tokens`` override). Greedy, at
 most 16 running, block size 32, prefix caching on. ``real`` needs the converted model: ``kvcanary
 demo`` (or ``kvcanary.real_model.model_dir``) in the main environment converts it once. One JSON line per round and mode, then a summary table (medians; ``x_off`` is
-the mode's median wall time over off's, from this run). Exit status 1 if any run reported a
+the mode's median wall time over off's, from this run; ``x_off_pairs`` the median over rounds of the
+mode's wall time over off's in the same round; ``cpu_x_off`` the same for the generate call's CPU
+seconds, which another tenant's load on a shared machine does not add to). Exit status 1 if any run reported a
 violation or an internal error, or generated other tokens than the first run.
 
     .venv-vllm/bin/python bench/vllm_cpu.py [--model tiny|real] [--rounds 3] [--threads 1] [--bind] [--modes off,on,on_noaudit]
@@ -89,7 +93,7 @@ def line(rnd: int, mode: str, out: dict[str, Any]) -> dict[str, Any]:
     st = out.get("stats", {})
     wall = out["generate_s"]
     return {
-        "round": rnd, "mode": mode, "wall_s": round(wall, 4), "tokens": out["tokens_generated"],
+        "round": rnd, "mode": mode, "wall_s": round(wall, 4), "cpu_s": round(out.get("generate_cpu_s", 0.0), 4), "tokens": out["tokens_generated"],
         "tok_per_s": round(out["tokens_generated"] / wall, 1), "threads": out["threads"],
         "forwards": st.get("forwards"), "canary_s": round(st.get("canary_us", 0) / 1e6, 4),
         "canary_share": round(st.get("canary_us", 0) / 1e6 / wall, 4),
@@ -105,11 +109,19 @@ def line(rnd: int, mode: str, out: dict[str, Any]) -> dict[str, Any]:
 def summary(rows: list[dict[str, Any]], modes: list[str]) -> list[dict[str, Any]]:
     """Per mode: medians over the rounds, and the median wall time over off's."""
     med = {m: statistics.median(r["wall_s"] for r in rows if r["mode"] == m) for m in modes}
+    by = {(r["round"], r["mode"]): r for r in rows}
+    rounds = sorted({r["round"] for r in rows})
+
+    def paired(m: str, key: str) -> float:
+        return statistics.median(by[(k, m)][key] / by[(k, "off")][key] for k in rounds if by[(k, "off")][key] > 0)
+
     out = []
     for m in modes:
         mine = [r for r in rows if r["mode"] == m]
         out.append({
             "mode": m, "wall_s": round(med[m], 3), "x_off": round(med[m] / med["off"], 3),
+            "x_off_pairs": round(paired(m, "wall_s"), 3),
+            "cpu_s": round(statistics.median(r["cpu_s"] for r in mine), 3), "cpu_x_off": round(paired(m, "cpu_s"), 3),
             "tok_per_s": round(statistics.median(r["tok_per_s"] for r in mine), 1),
             "canary_s": round(statistics.median(r["canary_s"] for r in mine), 3),
             "canary_share": round(statistics.median(r["canary_share"] for r in mine), 3),
@@ -160,7 +172,7 @@ def main() -> int:
             save_tiny_llama(model, layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2,
                             intermediate=3 * args.hidden)
         for rnd in range(args.rounds):
-            for mode in modes:
+            for mode in (modes if rnd % 2 == 0 else modes[::-1]):
                 out = run_mode(mode, model, args, extra)
                 rows.append({**line(rnd, mode, out), "model": args.model})
                 print(json.dumps(rows[-1]), flush=True)

@@ -159,7 +159,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ``finish`` (the same keys -> vLLM's finish reason: ``length``, ``stop``, ``error``...),
     ``events`` (:data:`kvcanary.engines.vllm.events.EVENTS` counted during the run; ``preemptions``
     is also at the top level), ``kv_cache`` (the engine's KV cache groups and blocks, in-process
-    engines), ``generate_s`` (the timed generate call), ``tokens_generated``, ``threads`` (torch's
+    engines), ``generate_s`` (the timed generate call) and ``generate_cpu_s`` (its CPU seconds, every
+    thread of the process: on a shared machine, what another tenant's load does not add), ``tokens_generated``, ``threads`` (torch's
     intra-op threads after the run) and, under the canary of an in-process engine, ``stats`` and
     ``violations`` (the first 200, with ``text``), the compiled-loop signatures the run added to the
     warm-up's (``loop_signatures_added``, by name), and the injected fault's ``fault`` detail
@@ -192,11 +193,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     shape = cfg.get("prompts", "shared")
     draw = _prompt_source(cfg["model"], shape)
 
+    cpu = [0.0]  # the timed generate call's CPU seconds (every thread of this process)
+
     def generate(n: int, seed: int) -> tuple[list[Any], float]:
         given = cfg.get("prompt_ids") if seed == cfg.get("seed", 0) else None  # the warm-up draws its own
         ps = [TokensPrompt(prompt_token_ids=p) for p in given or draw(n, seed, cfg.get("prefix", 64))]
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
+        cpu[0] = time.process_time() - c0
         return outs, time.perf_counter() - t0
 
     if cfg.get("warmup"):
@@ -214,7 +218,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if events_file is not None:
         events = vllm_events.collect(events_file)
     out: dict[str, Any] = {"tokens": tokens, "finish": finish, "events": dict(events), "preemptions": events["preemptions"],
-                           "kv_cache": vllm_events.kv_cache_layout(llm), "generate_s": wall,
+                           "kv_cache": vllm_events.kv_cache_layout(llm), "generate_s": wall, "generate_cpu_s": cpu[0],
                            "tokens_generated": sum(len(t) for t in tokens.values()),
                            "threads": torch.get_num_threads()}
     if canary is not None:
