@@ -93,7 +93,8 @@ def line(rnd: int, mode: str, out: dict[str, Any]) -> dict[str, Any]:
     st = out.get("stats", {})
     wall = out["generate_s"]
     return {
-        "round": rnd, "mode": mode, "wall_s": round(wall, 4), "cpu_s": round(out.get("generate_cpu_s", 0.0), 4), "tokens": out["tokens_generated"],
+        "round": rnd, "mode": mode, "wall_s": round(wall, 4), "cpu_s": round(out["generate_cpu_s"], 4),
+        "tokens": out["tokens_generated"],
         "tok_per_s": round(out["tokens_generated"] / wall, 1), "threads": out["threads"],
         "forwards": st.get("forwards"), "canary_s": round(st.get("canary_us", 0) / 1e6, 4),
         "canary_share": round(st.get("canary_us", 0) / 1e6 / wall, 4),

@@ -193,24 +193,23 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     shape = cfg.get("prompts", "shared")
     draw = _prompt_source(cfg["model"], shape)
 
-    cpu = [0.0]  # the timed generate call's CPU seconds (every thread of this process)
-
     def generate(n: int, seed: int) -> tuple[list[Any], float]:
         given = cfg.get("prompt_ids") if seed == cfg.get("seed", 0) else None  # the warm-up draws its own
         ps = [TokensPrompt(prompt_token_ids=p) for p in given or draw(n, seed, cfg.get("prefix", 64))]
-        c0, t0 = time.process_time(), time.perf_counter()
+        t0 = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
-        cpu[0] = time.process_time() - c0
         return outs, time.perf_counter() - t0
 
     if cfg.get("warmup"):
         generate(cfg["warmup"], seed + 1000)
     canary = process_canary() if kvc is not None else None
     before = canary.stats() if canary is not None else {}
+    cpu0 = time.process_time()  # the timed run's CPU seconds, every thread of this process
     if cfg.get("abort"):
         outs, wall = _with_aborts(llm, draw(cfg.get("requests", 12), seed, cfg.get("prefix", 64)), sp, cfg["abort"])
     else:
         outs, wall = generate(cfg.get("requests", 12), seed)
+    cpu = time.process_time() - cpu0
     tokens = {o.request_id if len(o.outputs) == 1 else f"{o.request_id}/{j}": list(c.token_ids)
               for o in outs for j, c in enumerate(o.outputs)}
     finish = {o.request_id if len(o.outputs) == 1 else f"{o.request_id}/{j}": c.finish_reason
@@ -218,7 +217,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if events_file is not None:
         events = vllm_events.collect(events_file)
     out: dict[str, Any] = {"tokens": tokens, "finish": finish, "events": dict(events), "preemptions": events["preemptions"],
-                           "kv_cache": vllm_events.kv_cache_layout(llm), "generate_s": wall, "generate_cpu_s": cpu[0],
+                           "kv_cache": vllm_events.kv_cache_layout(llm), "generate_s": wall, "generate_cpu_s": cpu,
                            "tokens_generated": sum(len(t) for t in tokens.values()),
                            "threads": torch.get_num_threads()}
     if canary is not None:
