@@ -39,7 +39,7 @@ STAGES = [
     ("kvcanary.engines.vllm.audit", "VllmAudit", "_check", "per-layer checks (write check, read audit)"),
     ("kvcanary.engines.audit", "EngineAudit", "run_compiled", "  compiled call"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.model_positions", "__wrapped__", "position check"),
-    ("kvcanary.engines.vllm.audit", "_Wide", "keep", "per-layer keep (write check, audited rows copied)"),
+    ("kvcanary.engines.vllm.wide", "WideForward", "keep", "per-layer keep (write check, audited rows copied)"),
     ("", "", "", "  compiled keep call (write check, fold, rows copied)"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.after_forward", "__wrapped__", "after-forward hook"),
     ("kvcanary.engines.vllm.audit", "VllmAudit", "finish", "  read audit after the forward (one call)"),
@@ -72,15 +72,15 @@ def _install(spent: dict[str, float], calls: dict[str, int]) -> None:
 
     for module, owner, attr, stage in STAGES:
         if not module:  # the compiled keep: each forward's plan holds it (numba loads with the engine, not before)
-            from kvcanary.engines.vllm import audit
+            from kvcanary.engines.vllm import wide
 
-            made = audit._Wide.__init__
+            made = wide.WideForward.__init__
 
             def init(self: Any, *a: Any, _made: Any = made, _stage: str = stage, **k: Any) -> None:
                 _made(self, *a, **k)
                 self.keep_layer = timed(self.keep_layer, _stage)
 
-            audit._Wide.__init__ = init  # type: ignore[method-assign]
+            wide.WideForward.__init__ = init  # type: ignore[method-assign]
             continue
         obj: Any = importlib.import_module(module)
         for part in filter(None, owner.split(".")):

@@ -31,12 +31,13 @@ import numpy as np
 import torch
 
 from kvcanary.audit.budget import shape_class
-from kvcanary.audit.records import LayerPlan, Writes, plan_layers
+from kvcanary.audit.records import LayerPlan, plan_layers
 from kvcanary.audit.reference import DTYPES
-from kvcanary.audit.tables import (L_ESIZE, L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, Q_LAYER, Q_LOCAL, S_O, S_Q,
-                                   STRIDE_COLUMNS, floats, query_table, strides)
-from kvcanary.engines.audit import NO_QUERIES, NO_TOKENS, EngineAudit
+from kvcanary.audit.tables import (L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, STRIDE_COLUMNS, floats, query_table,
+                                   strides)
+from kvcanary.engines.audit import NO_QUERIES, EngineAudit
 from kvcanary.engines.vllm.fold import Fold, FoldTables, fold_tables
+from kvcanary.engines.vllm.wide import WideForward
 from kvcanary.geometry.base import KvGeometry
 
 log = logging.getLogger("kvcanary")
@@ -110,7 +111,7 @@ class VllmAudit(EngineAudit):
         self._strides: dict[tuple[Any, ...], np.ndarray] = {}
         self.skipped = 0  # covered layers the per-layer wrapper does not reach (GPU backends)
         self.one_call = 0  # forwards whose queries were checked in one call after the forward
-        self._wide: _Wide | None = None  # this forward's checks, kept for one compiled call after it
+        self._wide: WideForward | None = None  # this forward's checks, kept for one compiled call after it
         # by the live groups: the covered layers, their layer table, floats and rows
         self._wide_base: dict[tuple[Any, ...], tuple[list[str], np.ndarray, np.ndarray, dict[str, int]]] = {}
         self._fold_tables: dict[tuple[Any, ...], FoldTables] = {}
@@ -182,8 +183,8 @@ class VllmAudit(EngineAudit):
                     self._tables[name] = self._table(name, known)
         self.planned(t0)
 
-    def _deferred(self, live: list[Any], layers: list[str], queries: list[Any]) -> "_Wide | None":
-        """This forward's checks as one compiled call after it (:class:`_Wide`), where every covered
+    def _deferred(self, live: list[Any], layers: list[str], queries: list[Any]) -> "WideForward | None":
+        """This forward's checks as one compiled call after it (:class:`WideForward`), where every covered
         layer was seen (its constants known) and the compiled loop reads it; else ``None``."""
         statics = [self._static.get(n) for n in layers]
         if not layers or any(c is None or not c.compiled for c in statics):
@@ -199,7 +200,7 @@ class VllmAudit(EngineAudit):
             base = self._wide_base[key] = (layers, table, fl, {n: i for i, n in enumerate(layers)})
             self._fold_tables[key] = fold_tables(live, layers, self.groups, getattr(self.adapter, "spans", {}))
         fold = Fold(self._fold_tables[key], [g.name for g in live], max(int(g.step.num_new) for g in live))
-        return _Wide.plan(self, live, base, statics, queries, fold)
+        return WideForward.plan(self, live, base, statics, queries, fold)
 
     # ---- inside the forward -----------------------------------------------------------------------
 
@@ -346,115 +347,3 @@ class VllmAudit(EngineAudit):
         for name in [n for n, a in REGISTRY.items() if a is self]:
             del REGISTRY[name]
 
-
-class _Wide:
-    """One forward's checks as one compiled call after it (every covered layer seen before and
-    read by the compiled loop): inside each layer only its write check and a copy of its audited
-    queries' rows (:func:`kvcanary.fused.audit.keep_layer`), since the engine may reuse a layer's
-    query and output memory in a later layer; after the forward every layer's queries in one call
-    of :func:`kvcanary.fused.audit.check_forward`."""
-
-    def __init__(self, names: list[str], index: dict[str, int], table: np.ndarray, steps: np.ndarray, qt: np.ndarray,
-                 fl: np.ndarray, width: int, toks: np.ndarray, fold: Fold) -> None:
-        self.names, self.index, self.table, self.steps, self.qt, self.fl = names, index, table, steps, qt, fl
-        self.toks, self.fold = toks, fold
-        self.write = False  # this forward checks writes (set by plan)
-        self.half = np.zeros((len(names), len(toks)), dtype=np.int64)
-        self.head = np.zeros_like(self.half)
-        self.kept = np.zeros((max(len(qt), 1), 2, width), dtype=np.uint8)
-        self.kept_at = int(self.kept.ctypes.data)
-        self.md: Any = None  # the last metadata seen, and whether its attention is causal
-        self.md_causal = True
-        from kvcanary.fused.audit import keep_layer
-
-        self.keep_layer = keep_layer
-        self.ptrs = np.zeros((len(names), 4), dtype=np.int64)
-        self.audited = set(qt[:, Q_LAYER].tolist())  # the layer rows with queries
-        self.wrote: list[int] = []
-        self.st: np.ndarray | None = None
-        self.shape: tuple[Any, ...] | None = None
-        self.width = width
-
-    @classmethod
-    def plan(cls, audit: VllmAudit, live: list[Any], base: tuple[list[str], np.ndarray, np.ndarray, dict[str, int]],
-             statics: list[Any], queries: list[Any], fold: Fold) -> "_Wide":
-        from kvcanary.fused._step import describe
-
-        names, table, fl, index = base
-        by_number = {c.number: (i, c) for i, c in enumerate(statics)}
-        picked = [i for i, q in enumerate(queries) if q.layer in by_number and by_number[q.layer][1].audited]
-        mine = [queries[i] for i in picked]
-        window = {n: audit.groups[n].plan.window for n in names}
-
-        def sink(q: Any) -> float | None:
-            c = by_number[q.layer][1]
-            return None if c.sink_logits is None else float(c.sink_logits[q.head])
-
-        qt, sinks = query_table(mine, lambda q: by_number[q.layer][0], lambda q: by_number[q.layer][1].rep,
-                                lambda q: window[names[by_number[q.layer][0]]], sink, len(fl), picked)
-        qt[:, Q_LOCAL] = np.arange(len(qt))  # each query's row of the kept copies
-        width = max(int(audit.geometry[n].head_dim) * audit.geometry[n].element_size for n in names)
-        steps = np.stack([describe(g.step) for g in live])
-        toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
-        wide = cls(names, index, table, steps, qt, np.concatenate([fl, np.asarray(sinks, dtype=np.float64)]), width,
-                   toks, fold)
-        wide.write = audit.write_tokens is not None
-        return wide
-
-    def keep(self, audit: VllmAudit, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
-        """Inside one layer: its write check and its audited queries' rows kept (a layer whose tensors
-        differ from the forward's first in dtype, strides or heads is checked as it goes, by the
-        per-layer path). Runs after the layer's matrix products have left the CPU's caches cold, where
-        each distinct tensor call costs microseconds: it makes as few as it can."""
-        li = self.index.get(layer.layer_name)
-        if li is None:
-            return
-        c = audit._static[layer.layer_name]
-        if md is not self.md:  # a group's layers share one metadata object a forward: its checks once
-            self.md, self.md_causal = md, getattr(md, "causal", True) and getattr(md, "dynamic_causal", None) is None
-        if not c.checked or not self.md_causal:
-            return
-        shape = (key.stride(), value.stride(), query.stride(), output.stride(), output.shape, key.dtype, value.dtype,
-                 query.dtype, output.dtype, c.heads)
-        if self.shape is None and key.dtype == value.dtype == query.dtype == output.dtype == c.dtype:
-            out3 = output.view(output.shape[0], c.heads, -1)
-            self.shape = shape
-            self.st = np.array(strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2)
-                               + strides(out3, 0, 1, 2), dtype=np.int64)
-        if shape != self.shape:
-            audit._check(impl, layer, query, key, value, kv_cache, md, output)
-            return
-        write = self.write and c.writes
-        audited = li in self.audited
-        self.keep_layer(self.table, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0,
-                        query.data_ptr() if audited else 0, output.data_ptr() if audited else 0, self.st, self.steps,
-                        self.toks, self.half, self.head, self.qt, self.kept, *self.fold.layer(li))
-        if write:
-            self.wrote.append(li)
-        if audited:
-            self.ptrs[li, PTR_Q] = self.kept_at
-            self.ptrs[li, PTR_O] = self.kept_at + self.width
-
-    def finish(self, audit: VllmAudit) -> None:
-        """After the forward: every kept layer's queries in one compiled call, and the write checks'
-        results recorded."""
-        from kvcanary.fused.audit import check_forward
-
-        fa = audit.fa
-        assert fa is not None
-        audit.one_call += 1
-        if self.st is not None and len(self.qt):
-            st = self.st.copy()
-            esz = self.table[0, L_ESIZE]  # the compiled layers' queries are in their cache's dtype
-            st[S_Q:S_Q + 3] = (2 * self.width, 0, esz)
-            st[S_O:S_O + 3] = (2 * self.width, 0, esz)
-            none = np.zeros((len(self.names), 0), dtype=np.int64)
-            check_forward(self.table, self.ptrs, st, self.steps, NO_TOKENS, self.qt, self.fl, none, none, fa.err,
-                          fa.shift, fa.tol, True)
-        if self.wrote:
-            rows = self.wrote
-            fa.writes.append(Writes([audit.index[self.names[i]] for i in rows],
-                                    [audit.groups[self.names[i]].name for i in rows], self.toks, self.half[rows],
-                                    self.head[rows]))
-            audit.count_writes(len(rows), len(self.toks), audit.geometry[self.names[rows[0]]].token_bytes)
