@@ -36,7 +36,7 @@ STAGES = [
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector", "_verify_first_reads", "  first reads"),
     ("kvcanary.canary", "Canary", "before_forward", "  canary.before_forward (verify, content window)"),
     ("kvcanary.engines.vllm.audit", "VllmAudit", "begin", "  audit plan"),
-    ("kvcanary.engines.vllm.audit", "VllmAudit", "_check", "per-layer checks (write check, read audit)"),
+    ("kvcanary.engines.vllm.audit", "VllmAudit", "check_layer", "per-layer checks (write check, read audit)"),
     ("kvcanary.engines.audit", "EngineAudit", "run_compiled", "  compiled call"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.model_positions", "__wrapped__", "position check"),
     ("kvcanary.engines.vllm.wide", "WideForward", "keep", "per-layer keep (write check, audited rows copied)"),

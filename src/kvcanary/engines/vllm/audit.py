@@ -105,7 +105,7 @@ class VllmAudit(EngineAudit):
         self.plans: dict[int, LayerPlan] | None = {}  # by the layer's number (None: not made yet)
         self._to_plan: tuple[Any, ...] = ([], {})
         self._rows: dict[str, tuple[int, np.ndarray]] = {}  # the compiled loop's layer row, by the cache it was made for
-        self._static: dict[str, _Layer] = {}  # layer -> what its checks take from its attention, once seen
+        self.seen: dict[str, _Layer] = {}  # layer -> what its checks take from its attention, once seen
         self._tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # this forward's compiled tables by layer
         self._step_descs: dict[str, np.ndarray] = {}
         self._strides: dict[tuple[Any, ...], np.ndarray] = {}
@@ -178,7 +178,7 @@ class VllmAudit(EngineAudit):
 
             self._step_descs = {g.name: describe(g.step)[None] for g in live}
             for name in (n for n in layers if self.index[n] in self._layer_plans()):
-                known = self._static.get(name)
+                known = self.seen.get(name)
                 if known is not None and known.compiled:
                     self._tables[name] = self._table(name, known)
         self.planned(t0)
@@ -186,7 +186,7 @@ class VllmAudit(EngineAudit):
     def _deferred(self, live: list[Any], layers: list[str], queries: list[Any]) -> "WideForward | None":
         """This forward's checks as one compiled call after it (:class:`WideForward`), where every covered
         layer was seen (its constants known) and the compiled loop reads it; else ``None``."""
-        statics = [self._static.get(n) for n in layers]
+        statics = [self.seen.get(n) for n in layers]
         if not layers or any(c is None or not c.compiled for c in statics):
             return None
         key = (*(g.name for g in live), self.geometry[layers[0]].tensor.data_ptr())
@@ -212,7 +212,7 @@ class VllmAudit(EngineAudit):
             if self._wide is not None:
                 self._wide.keep(self, impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
             else:
-                self._check(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
+                self.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
         except Exception as e:
             self.failed(e)
         finally:
@@ -246,16 +246,16 @@ class VllmAudit(EngineAudit):
         self._wide = None
         super().failed(e)
 
-    def _check(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def check_layer(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
         name = layer.layer_name
         g = self.groups.get(name)
         fa = self.fa
         if g is None or fa is None or g.step is None:
             return
-        c = self._static.get(name)
+        c = self.seen.get(name)
         if c is None:
-            c = self._static[name] = self._constants(name, impl, kv_cache, query.dtype)
+            c = self.seen[name] = self._constants(name, impl, kv_cache, query.dtype)
         if not c.checked or not getattr(md, "causal", True) or getattr(md, "dynamic_causal", None) is not None:
             return
         write = self.write_tokens is not None and c.writes

@@ -4,7 +4,7 @@ covered layer was seen before and the compiled loop reads it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -14,8 +14,23 @@ from kvcanary.audit.tables import L_ESIZE, PTR_O, PTR_Q, Q_LAYER, Q_LOCAL, S_O, 
 from kvcanary.engines.audit import NO_TOKENS
 from kvcanary.engines.vllm.fold import Fold
 
-if TYPE_CHECKING:
-    from kvcanary.engines.vllm.audit import VllmAudit
+
+class Planner(Protocol):
+    """What a forward's one call reads of the audit that planned it
+    (:class:`~kvcanary.engines.vllm.audit.VllmAudit`)."""
+
+    groups: dict[str, Any]  # layer -> its KV cache group
+    geometry: dict[str, Any]  # layer -> its cache's geometry
+    index: dict[str, int]  # layer -> its number
+    seen: dict[str, Any]  # layer -> what its checks take from its attention, once seen
+    write_tokens: np.ndarray | None  # this forward's write-checked tokens
+    fa: Any  # this forward's audit state
+    one_call: int  # forwards checked in one call after them
+
+    def check_layer(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None: ...
+
+    def count_writes(self, layers: int, tokens: int, token_bytes: int) -> None: ...
 
 
 class WideForward:
@@ -47,7 +62,7 @@ class WideForward:
         self.width = width
 
     @classmethod
-    def plan(cls, audit: VllmAudit, live: list[Any], base: tuple[list[str], np.ndarray, np.ndarray, dict[str, int]],
+    def plan(cls, audit: Planner, live: list[Any], base: tuple[list[str], np.ndarray, np.ndarray, dict[str, int]],
              statics: list[Any], queries: list[Any], fold: Fold) -> "WideForward":
         from kvcanary.fused._step import describe
 
@@ -72,7 +87,7 @@ class WideForward:
         wide.write = audit.write_tokens is not None
         return wide
 
-    def keep(self, audit: VllmAudit, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+    def keep(self, audit: Planner, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
         """Inside one layer: its write check and its audited queries' rows kept (a layer whose tensors
         differ from the forward's first in dtype, strides or heads is checked as it goes, by the
@@ -81,7 +96,7 @@ class WideForward:
         li = self.index.get(layer.layer_name)
         if li is None:
             return
-        c = audit._static[layer.layer_name]
+        c = audit.seen[layer.layer_name]
         if md is not self.md:  # a group's layers share one metadata object a forward: its checks once
             self.md, self.md_causal = md, getattr(md, "causal", True) and getattr(md, "dynamic_causal", None) is None
         if not c.checked or not self.md_causal:
@@ -94,7 +109,7 @@ class WideForward:
             self.st = np.array(strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2)
                                + strides(out3, 0, 1, 2), dtype=np.int64)
         if shape != self.shape:
-            audit._check(impl, layer, query, key, value, kv_cache, md, output)
+            audit.check_layer(impl, layer, query, key, value, kv_cache, md, output)
             return
         write = self.write and c.writes
         audited = li in self.audited
@@ -107,7 +122,7 @@ class WideForward:
             self.ptrs[li, PTR_Q] = self.kept_at
             self.ptrs[li, PTR_O] = self.kept_at + self.width
 
-    def finish(self, audit: VllmAudit) -> None:
+    def finish(self, audit: Planner) -> None:
         """After the forward: every kept layer's queries in one compiled call, and the write checks'
         results recorded."""
         from kvcanary.fused.audit import check_forward
