@@ -22,7 +22,7 @@ from kvcanary.fused._core import JIT, ld_i64
 from kvcanary.fused._step import CL, NNEW, NROWS, NS, WF, bump, checked_out, rd
 from kvcanary.fused.cache import njit
 from kvcanary.fused.ops import (_K_SCBYTES, _K_SCRUBBED, _NO_FOLD, _NO_LEDGER, _STEPS, _guard, _seeds, _stamp,
-                                _validate, _verify, mark_checked, scrub_one)
+                                _validate, _verify, mark_checked, scrub_run)
 from kvcanary.fused.steps import _note_writers
 from kvcanary.violations import Site
 
@@ -88,13 +88,11 @@ def _after(d, c, k, src, runs, keys, writers, led_at, led_before, pre_acc, pre_c
     bump(counters, _STEPS, 1)
     patrol_n, patrol_from = k[K_PATROL_N], k[K_PATROL_FROM]
     if patrol_n:
-        step_id = ld_i64(counters + 8 * _STEPS)
-        live = 0
-        for i in range(patrol_n):
-            s = (patrol_from + i) % num_slots
-            live += scrub_one(stamps, num_slots, src, runs, keys, s, counters, ring, cap, _SITE_SCRUB, step_id)
-            if led_at.shape[0]:
-                mark_checked(led_at, led_before, s, forward + 1)
+        live = scrub_run(stamps, num_slots, src, runs, keys, patrol_from, patrol_n, counters, ring, cap, _SITE_SCRUB,
+                         ld_i64(counters + 8 * _STEPS))
+        if led_at.shape[0]:
+            for i in range(patrol_n):
+                mark_checked(led_at, led_before, (patrol_from + i) % num_slots, forward + 1)
         bump(counters, _K_SCRUBBED, live)
         bump(counters, _K_SCBYTES, live * bps)
     return DONE

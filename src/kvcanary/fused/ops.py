@@ -14,8 +14,8 @@ import torch
 
 from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UNKNOWN_POS
 from kvcanary.errors import KvCanaryError
-from kvcanary.fused._core import (JIT, SEED, SourceTable, finish_content, fold_slot, g_term, ld, ld_i32, ld_i64,
-                                  link_next, prefetch, st_i64)
+from kvcanary.fused._core import (JIT, SEED, SourceTable, finish_content, fold_slot, fold_source, g_term, ld, ld_i32,
+                                  ld_i64, link_next, prefetch, st_i64)
 from kvcanary.fused._step import (CL, ENP, ENT, ER, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
                                   describe, expected_row, lookup, rd, rd2, record, start, table_row, valid)
 from kvcanary.fused._step import _LIM, TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
@@ -72,6 +72,43 @@ def _fetch_block(stamps, num_slots, row, tesz, tcs, col, span, bs, lim):  # type
 
 
 @njit(**JIT)
+def _window(d, part, num_slots, src, runs, keys, cur, k, n):  # type: ignore[no-untyped-def]
+    """The content fingerprints of the verify window: the ``k`` read entries from entry ``cur`` on
+    (mod ``n``, the reads in the order :func:`_verify` walks them), the ``j``-th at ``[j]`` (0: an
+    entry without a slot). Folded source by source over the whole window: its slots are mostly
+    neighbours in a page, and a column-major K puts neighbours' elements in one cache line, which
+    slot by slot would be fetched again for each of them (every layer's bytes lie between)."""
+    nrows = d[NROWS]
+    first = np.zeros(nrows + 1, dtype=np.int64)  # the rows' first entries (and the end)
+    lows = np.zeros(max(nrows, 1), dtype=np.int64)
+    for r in range(nrows):
+        lo, hi = _range(d, r, part)
+        lows[r] = lo
+        first[r + 1] = first[r] + hi - lo
+    slots = np.full(k, -1, dtype=np.int64)
+    r = 0
+    for j in range(k):
+        e = (cur + j) % n
+        if e < first[r]:  # wrapped round to the first entry
+            r = 0
+        while e >= first[r + 1]:
+            r += 1
+        s = lookup(d, r, lows[r] + e - first[r])
+        if 0 <= s < num_slots:
+            slots[j] = s
+    acc = np.zeros(k, dtype=np.uint64)
+    for i in range(src.shape[0]):
+        for j in range(k):
+            if slots[j] >= 0:
+                acc[j] += fold_source(src, runs, keys, i, slots[j])
+    out = np.zeros(k, dtype=np.int64)
+    for j in range(k):
+        if slots[j] >= 0:
+            out[j] = finish_content(acc[j])
+    return out
+
+
+@njit(**JIT)
 def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slots, ring, cap, bps, part, led_at,  # type: ignore[no-untyped-def]
             led_before, forward):
     """Verify the reads of ``part``; with a ledger (``led_at`` non-empty: the canary's
@@ -89,6 +126,7 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
         cur = ld_i64(cursor) % n
         if content_slots >= 0:
             k = min(content_slots, n)
+    conts = _window(d, part, num_slots, src, runs, keys, cur, k, n) if has_content else np.zeros(0, dtype=np.int64)
     step_id = ld_i64(counters + 8 * _STEPS)
     has_et = d[ET] != 0
     et_w = d[ET + 5]
@@ -166,7 +204,7 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
                 mark_checked(led_at, led_before, slot, forward)
             exp_cont = np.int64(0)
             if has_content and readable and (e - cur) % n < k:
-                exp_cont = fold_slot(src, runs, keys, slot)
+                exp_cont = conts[(e - cur) % n]
                 nsel += 1
                 if s_cont != exp_cont:
                     checks |= _C_CONT
@@ -337,6 +375,34 @@ def scrub_one(stamps, num_slots, src, runs, keys, s, counters, ring, cap, site, 
     return 1
 
 
+@njit(**JIT)
+def scrub_run(stamps, num_slots, src, runs, keys, first, n, counters, ring, cap, site, step_id):  # type: ignore[no-untyped-def]
+    """:func:`scrub_one` of the ``n`` slots from ``first`` on (mod ``num_slots``), folded source by
+    source over all of them (neighbouring slots share a column-major K's cache lines: see
+    :func:`_window`); the live slots among them."""
+    slots = np.empty(max(n, 0), dtype=np.int64)
+    m = 0
+    for i in range(n):
+        s = (first + i) % num_slots
+        if ld_i64(stamps + 32 * s + 8) >= 0:
+            slots[m] = s
+            m += 1
+    if src.shape[0] == 0:
+        return m
+    acc = np.zeros(m, dtype=np.uint64)
+    for i in range(src.shape[0]):
+        for j in range(m):
+            acc[j] += fold_source(src, runs, keys, i, slots[j])
+    for j in range(m):
+        s = slots[j]
+        sa = stamps + 32 * s
+        exp, cont, pos = finish_content(acc[j]), ld_i64(sa + 24), ld_i64(sa + 8)
+        if cont != exp:
+            record(counters, ring, cap, site, _C_CONT, step_id, -1, s, pos, -1, ld_i64(sa), pos, 0, ld_i64(sa + 16),
+                   exp, cont, -1)
+    return m
+
+
 @njit(inline="always", **JIT)
 def mark_checked(led_at, led_before, s, forward):  # type: ignore[no-untyped-def]
     """:meth:`kvcanary.harm.CheckLedger.mark` of one slot in the pool."""
@@ -368,6 +434,8 @@ def _guard(stamps, src, runs, keys, slots, nres, n, base, hit, was, got, counter
             take(regions, nreg, snap)  # the fingerprints below are taken of these bytes
     for i in range(first, n):
         s = ld_i64(slots + 8 * i)
+        if i >= nres and ld_i64(stamps + 32 * s + 8) < 0:
+            continue  # a guarded slot without a stamp: nothing to check it against
         fp = fold_slot(src, runs, keys, s)
         if i < nres:  # a reserved slot: against its fingerprint, re-taken on a change
             b = ld_i64(base + 8 * i)
