@@ -37,7 +37,7 @@ from kvcanary.audit.tables import (L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, STRIDE_CO
                                    strides)
 from kvcanary.engines.audit import NO_QUERIES, EngineAudit
 from kvcanary.engines.vllm.fold import Fold, FoldTables, fold_tables
-from kvcanary.engines.vllm.wide import WideForward
+from kvcanary.engines.vllm.wide import WideBase, WideForward
 from kvcanary.geometry.base import KvGeometry
 
 log = logging.getLogger("kvcanary")
@@ -113,7 +113,7 @@ class VllmAudit(EngineAudit):
         self.one_call = 0  # forwards whose queries were checked in one call after the forward
         self._wide: WideForward | None = None  # this forward's checks, kept for one compiled call after it
         # by the live groups: the covered layers, their layer table, floats and rows
-        self._wide_base: dict[tuple[Any, ...], tuple[list[str], np.ndarray, np.ndarray, dict[str, int]]] = {}
+        self._wide_base: dict[tuple[Any, ...], WideBase] = {}
         self._fold_tables: dict[tuple[Any, ...], FoldTables] = {}
         # each group's new tokens' fingerprints folded in this forward's layers, for its stamp
         self.folds: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -186,21 +186,25 @@ class VllmAudit(EngineAudit):
     def _deferred(self, live: list[Any], layers: list[str], queries: list[Any]) -> "WideForward | None":
         """This forward's checks as one compiled call after it (:class:`WideForward`), where every covered
         layer was seen (its constants known) and the compiled loop reads it; else ``None``."""
-        statics = [self.seen.get(n) for n in layers]
-        if not layers or any(c is None or not c.compiled for c in statics):
+        if not layers:
             return None
         key = (*(g.name for g in live), self.geometry[layers[0]].tensor.data_ptr())
         base = self._wide_base.get(key)
-        if base is None or base[0] != layers:
+        if base is None or base.names != layers:  # a layer's statics, once seen, stay
+            statics = [self.seen.get(n) for n in layers]
+            if any(c is None or not c.compiled for c in statics):
+                return None
             gi = {g.name: i for i, g in enumerate(live)}
             table = np.concatenate([self._layer_row(n, self.geometry[n], c.dtype) for n, c in zip(layers, statics)
                                     if c is not None])
             table[:, L_STEP] = [gi[self.groups[n].name] for n in layers]
             fl = np.concatenate([c.floats for c in statics if c is not None])
-            base = self._wide_base[key] = (layers, table, fl, {n: i for i, n in enumerate(layers)})
+            width = max(int(self.geometry[n].head_dim) * self.geometry[n].element_size for n in layers)
+            base = self._wide_base[key] = WideBase(layers, table, fl, statics, [self.groups[n].plan.window
+                                                                                 for n in layers], width)
             self._fold_tables[key] = fold_tables(live, layers, self.groups, getattr(self.adapter, "spans", {}))
         fold = Fold(self._fold_tables[key], [g.name for g in live], max(int(g.step.num_new) for g in live))
-        return WideForward.plan(self, live, base, statics, queries, fold)
+        return WideForward.plan(self, live, base, queries, fold)
 
     # ---- inside the forward -----------------------------------------------------------------------
 
@@ -247,7 +251,7 @@ class VllmAudit(EngineAudit):
         super().failed(e)
 
     def check_layer(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
+                    kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
         name = layer.layer_name
         g = self.groups.get(name)
         fa = self.fa

@@ -33,6 +33,18 @@ class Planner(Protocol):
     def count_writes(self, layers: int, tokens: int, token_bytes: int) -> None: ...
 
 
+class WideBase:
+    """What every forward of one set of live groups shares in :meth:`WideForward.plan`, made once:
+    the covered layers' names and rows (``index``), their layer table and floats, each row's sliding
+    window, the layers' statics by their number (with their row) and the widest query row in bytes."""
+
+    def __init__(self, names: list[str], table: np.ndarray, fl: np.ndarray, statics: list[Any],
+                 windows: list[int | None], width: int) -> None:
+        self.names, self.table, self.fl, self.windows, self.width = names, table, fl, windows, width
+        self.index = {n: i for i, n in enumerate(names)}
+        self.by_number = {c.number: (i, c) for i, c in enumerate(statics)}
+
+
 class WideForward:
     """One forward's checks as one compiled call after it (every covered layer seen before and
     read by the compiled loop): inside each layer only its write check and a copy of its audited
@@ -62,28 +74,24 @@ class WideForward:
         self.width = width
 
     @classmethod
-    def plan(cls, audit: Planner, live: list[Any], base: tuple[list[str], np.ndarray, np.ndarray, dict[str, int]],
-             statics: list[Any], queries: list[Any], fold: Fold) -> "WideForward":
+    def plan(cls, audit: Planner, live: list[Any], base: WideBase, queries: list[Any], fold: Fold) -> "WideForward":
         from kvcanary.fused._step import describe
 
-        names, table, fl, index = base
-        by_number = {c.number: (i, c) for i, c in enumerate(statics)}
+        by_number = base.by_number
         picked = [i for i, q in enumerate(queries) if q.layer in by_number and by_number[q.layer][1].audited]
         mine = [queries[i] for i in picked]
-        window = {n: audit.groups[n].plan.window for n in names}
 
         def sink(q: Any) -> float | None:
             c = by_number[q.layer][1]
             return None if c.sink_logits is None else float(c.sink_logits[q.head])
 
         qt, sinks = query_table(mine, lambda q: by_number[q.layer][0], lambda q: by_number[q.layer][1].rep,
-                                lambda q: window[names[by_number[q.layer][0]]], sink, len(fl), picked)
+                                lambda q: base.windows[by_number[q.layer][0]], sink, len(base.fl), picked)
         qt[:, Q_LOCAL] = np.arange(len(qt))  # each query's row of the kept copies
-        width = max(int(audit.geometry[n].head_dim) * audit.geometry[n].element_size for n in names)
         steps = np.stack([describe(g.step) for g in live])
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
-        wide = cls(names, index, table, steps, qt, np.concatenate([fl, np.asarray(sinks, dtype=np.float64)]), width,
-                   toks, fold)
+        fl = np.concatenate([base.fl, np.asarray(sinks, dtype=np.float64)]) if sinks else base.fl
+        wide = cls(base.names, base.index, base.table, steps, qt, fl, base.width, toks, fold)
         wide.write = audit.write_tokens is not None
         return wide
 
