@@ -209,3 +209,42 @@ def test_no_snapshot_where_a_reserved_slot_spans_live_kv():
     geom.storage_bytes()[geom.element("k", 3, 1, 7)] ^= 4
     c.guard()
     assert [(v.site, v.slot) for v in c.poll()] == [(Site.GUARD, 3)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_snapshot_comparison_finds_any_changed_byte_at_any_alignment(seed):
+    """The fused guard's snapshot comparison (chunked, vectorised where the words are aligned) says
+    equal exactly when every byte of every region is, for regions of any length at any offset."""
+    import numpy as np
+    from numba import njit
+
+    from kvcanary.fused.snapshot import R_LEN, same, take, taken
+
+    @njit
+    def _same(regions, snap):  # the inline helpers through one compiled entry
+        return same(regions.ctypes.data, regions.shape[0], snap.ctypes.data)
+
+    @njit
+    def _take(regions, snap):
+        take(regions.ctypes.data, regions.shape[0], snap.ctypes.data)
+
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 256, 40_000, dtype=np.uint8)
+    starts = np.sort(rng.choice(30_000, 5, replace=False))
+    starts[0], starts[1] = starts[0] // 8 * 8, starts[1] // 8 * 8 + 3  # words aligned, and not
+    lens = rng.integers(1, 2_000, 5)
+    lens[0] = 1031  # over a chunk, with a tail of words and of bytes
+    at = np.concatenate([[0], np.cumsum(-(-lens // 8) * 8)[:-1]])
+    regions = np.stack([pool.ctypes.data + starts, lens, at], axis=1).astype(np.int64)
+    snap = taken(regions)
+    assert _same(regions, snap)
+    for r in range(len(regions)):
+        for off in (0, 1, int(regions[r, R_LEN]) // 2, int(regions[r, R_LEN]) - 1):
+            i = starts[r] + off
+            pool[i] ^= 0x10
+            assert not _same(regions, snap), (r, off)
+            pool[i] ^= 0x10
+    assert _same(regions, snap)
+    pool[starts[2]] ^= 1
+    _take(regions, snap)  # the new bytes taken: equal again
+    assert _same(regions, snap)
