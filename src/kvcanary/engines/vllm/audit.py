@@ -200,8 +200,9 @@ class VllmAudit(EngineAudit):
             table[:, L_STEP] = [gi[self.groups[n].name] for n in layers]
             fl = np.concatenate([c.floats for c in statics if c is not None])
             width = max(int(self.geometry[n].head_dim) * self.geometry[n].element_size for n in layers)
-            base = self._wide_base[key] = WideBase(layers, table, fl, statics, [self.groups[n].plan.window
-                                                                                 for n in layers], width)
+            base = self._wide_base[key] = WideBase(layers, table, fl, statics,
+                                                   [self.groups[n].plan.window for n in layers], width,
+                                                   [self.groups[n].name for n in layers])
             self._fold_tables[key] = fold_tables(live, layers, self.groups, getattr(self.adapter, "spans", {}))
         fold = Fold(self._fold_tables[key], [g.name for g in live], max(int(g.step.num_new) for g in live))
         return WideForward.plan(self, live, base, queries, fold)

@@ -39,10 +39,12 @@ class WideBase:
     window, the layers' statics by their number (with their row) and the widest query row in bytes."""
 
     def __init__(self, names: list[str], table: np.ndarray, fl: np.ndarray, statics: list[Any],
-                 windows: list[int | None], width: int) -> None:
+                 windows: list[int | None], width: int, groups: list[str]) -> None:
         self.names, self.table, self.fl, self.windows, self.width = names, table, fl, windows, width
         self.index = {n: i for i, n in enumerate(names)}
         self.by_number = {c.number: (i, c) for i, c in enumerate(statics)}
+        self.numbers = [c.number for c in statics]  # each row's layer number and group, for the records
+        self.groups = groups
 
 
 class WideForward:
@@ -52,9 +54,11 @@ class WideForward:
     query and output memory in a later layer; after the forward every layer's queries in one call
     of :func:`kvcanary.fused.audit.check_forward`."""
 
-    def __init__(self, names: list[str], index: dict[str, int], table: np.ndarray, steps: np.ndarray, qt: np.ndarray,
-                 fl: np.ndarray, width: int, toks: np.ndarray, fold: Fold) -> None:
-        self.names, self.index, self.table, self.steps, self.qt, self.fl = names, index, table, steps, qt, fl
+    def __init__(self, base: WideBase, steps: np.ndarray, qt: np.ndarray, fl: np.ndarray, toks: np.ndarray,
+                 fold: Fold) -> None:
+        names, width = base.names, base.width
+        self.base, self.names, self.index, self.table = base, names, base.index, base.table
+        self.steps, self.qt, self.fl = steps, qt, fl
         self.toks, self.fold = toks, fold
         self.write = False  # this forward checks writes (set by plan)
         self.half = np.zeros((len(names), len(toks)), dtype=np.int64)
@@ -91,7 +95,7 @@ class WideForward:
         steps = np.stack([describe(g.step) for g in live])
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
         fl = np.concatenate([base.fl, np.asarray(sinks, dtype=np.float64)]) if sinks else base.fl
-        wide = cls(base.names, base.index, base.table, steps, qt, fl, base.width, toks, fold)
+        wide = cls(base, steps, qt, fl, toks, fold)
         wide.write = audit.write_tokens is not None
         return wide
 
@@ -146,9 +150,12 @@ class WideForward:
             none = np.zeros((len(self.names), 0), dtype=np.int64)
             check_forward(self.table, self.ptrs, st, self.steps, NO_TOKENS, self.qt, self.fl, none, none, fa.err,
                           fa.shift, fa.tol, True)
-        if self.wrote:
-            rows = self.wrote
-            fa.writes.append(Writes([audit.index[self.names[i]] for i in rows],
-                                    [audit.groups[self.names[i]].name for i in rows], self.toks, self.half[rows],
-                                    self.head[rows]))
+        rows = self.wrote
+        if len(rows) == len(self.names) and len(set(rows)) == len(rows):  # every row once: the arrays as they are
+            b = self.base
+            fa.writes.append(Writes(b.numbers, b.groups, self.toks, self.half, self.head))
+        elif rows:
+            fa.writes.append(Writes([self.base.numbers[i] for i in rows], [self.base.groups[i] for i in rows],
+                                    self.toks, self.half[rows], self.head[rows]))
+        if rows:
             audit.count_writes(len(rows), len(self.toks), audit.geometry[self.names[rows[0]]].token_bytes)
