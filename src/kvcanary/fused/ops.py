@@ -71,7 +71,7 @@ def _fetch_block(stamps, num_slots, row, tesz, tcs, col, span, bs, lim):  # type
                 prefetch(first + a)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _window(d, part, num_slots, src, runs, keys, cur, k, n):  # type: ignore[no-untyped-def]
     """The content fingerprints of the verify window: the ``k`` read entries from entry ``cur`` on
     (mod ``n``, the reads in the order :func:`_verify` walks them), the ``j``-th at ``[j]`` (0: an
@@ -375,7 +375,7 @@ def scrub_one(stamps, num_slots, src, runs, keys, s, counters, ring, cap, site, 
     return 1
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def scrub_run(stamps, num_slots, src, runs, keys, first, n, counters, ring, cap, site, step_id):  # type: ignore[no-untyped-def]
     """:func:`scrub_one` of the ``n`` slots from ``first`` on (mod ``num_slots``), folded source by
     source over all of them (neighbouring slots share a column-major K's cache lines: see
