@@ -237,6 +237,23 @@ def fold_source(src, runs, keys, i, slot):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **JIT)
+def fold_slots(src, runs, keys, slots, m):  # type: ignore[no-untyped-def]
+    """The fingerprints of the first ``m`` of ``slots`` (each ``0 <= slot < num_slots``, or -1:
+    none, 0 out), folded source by source over all of them: neighbouring slots share a column-major
+    K's cache lines, which slot by slot would be fetched again for each (every layer lies between)."""
+    acc = np.zeros(m, dtype=np.uint64)
+    for i in range(src.shape[0]):
+        for j in range(m):
+            if slots[j] >= 0:
+                acc[j] += fold_source(src, runs, keys, i, slots[j])
+    out = np.zeros(m, dtype=np.int64)
+    for j in range(m):
+        if slots[j] >= 0:
+            out[j] = finish_content(acc[j])
+    return out
+
+
+@njit(inline="always", **JIT)
 def fold_slot(src, runs, keys, slot):  # type: ignore[no-untyped-def]
     """The fingerprint of one slot (``0 <= slot < num_slots``) over every source, as int64."""
     acc = np.uint64(0)

@@ -14,7 +14,7 @@ import torch
 
 from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UNKNOWN_POS
 from kvcanary.errors import KvCanaryError
-from kvcanary.fused._core import (JIT, SEED, SourceTable, finish_content, fold_slot, fold_source, g_term, ld, ld_i32,
+from kvcanary.fused._core import (JIT, SEED, SourceTable, finish_content, fold_slot, fold_slots, g_term, ld, ld_i32,
                                   ld_i64, link_next, prefetch, st_i64)
 from kvcanary.fused._step import (CL, ENP, ENT, ER, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
                                   describe, expected_row, lookup, rd, rd2, record, start, table_row, valid)
@@ -75,9 +75,8 @@ def _fetch_block(stamps, num_slots, row, tesz, tcs, col, span, bs, lim):  # type
 def _window(d, part, num_slots, src, runs, keys, cur, k, n):  # type: ignore[no-untyped-def]
     """The content fingerprints of the verify window: the ``k`` read entries from entry ``cur`` on
     (mod ``n``, the reads in the order :func:`_verify` walks them), the ``j``-th at ``[j]`` (0: an
-    entry without a slot). Folded source by source over the whole window: its slots are mostly
-    neighbours in a page, and a column-major K puts neighbours' elements in one cache line, which
-    slot by slot would be fetched again for each of them (every layer's bytes lie between)."""
+    entry without a slot), folded by :func:`~kvcanary.fused._core.fold_slots` (the window's slots
+    are mostly neighbours in a page)."""
     nrows = d[NROWS]
     first = np.zeros(nrows + 1, dtype=np.int64)  # the rows' first entries (and the end)
     lows = np.zeros(max(nrows, 1), dtype=np.int64)
@@ -96,16 +95,7 @@ def _window(d, part, num_slots, src, runs, keys, cur, k, n):  # type: ignore[no-
         s = lookup(d, r, lows[r] + e - first[r])
         if 0 <= s < num_slots:
             slots[j] = s
-    acc = np.zeros(k, dtype=np.uint64)
-    for i in range(src.shape[0]):
-        for j in range(k):
-            if slots[j] >= 0:
-                acc[j] += fold_source(src, runs, keys, i, slots[j])
-    out = np.zeros(k, dtype=np.int64)
-    for j in range(k):
-        if slots[j] >= 0:
-            out[j] = finish_content(acc[j])
-    return out
+    return fold_slots(src, runs, keys, slots, k)
 
 
 @njit(**JIT)
@@ -377,9 +367,8 @@ def scrub_one(stamps, num_slots, src, runs, keys, s, counters, ring, cap, site, 
 
 @njit(inline="always", **JIT)
 def scrub_run(stamps, num_slots, src, runs, keys, first, n, counters, ring, cap, site, step_id):  # type: ignore[no-untyped-def]
-    """:func:`scrub_one` of the ``n`` slots from ``first`` on (mod ``num_slots``), folded source by
-    source over all of them (neighbouring slots share a column-major K's cache lines: see
-    :func:`_window`); the live slots among them."""
+    """:func:`scrub_one` of the ``n`` slots from ``first`` on (mod ``num_slots``), folded together
+    (:func:`~kvcanary.fused._core.fold_slots`); the live slots among them."""
     slots = np.empty(max(n, 0), dtype=np.int64)
     m = 0
     for i in range(n):
@@ -389,14 +378,11 @@ def scrub_run(stamps, num_slots, src, runs, keys, first, n, counters, ring, cap,
             m += 1
     if src.shape[0] == 0:
         return m
-    acc = np.zeros(m, dtype=np.uint64)
-    for i in range(src.shape[0]):
-        for j in range(m):
-            acc[j] += fold_source(src, runs, keys, i, slots[j])
+    exps = fold_slots(src, runs, keys, slots, m)
     for j in range(m):
         s = slots[j]
         sa = stamps + 32 * s
-        exp, cont, pos = finish_content(acc[j]), ld_i64(sa + 24), ld_i64(sa + 8)
+        exp, cont, pos = exps[j], ld_i64(sa + 24), ld_i64(sa + 8)
         if cont != exp:
             record(counters, ring, cap, site, _C_CONT, step_id, -1, s, pos, -1, ld_i64(sa), pos, 0, ld_i64(sa + 16),
                    exp, cont, -1)
