@@ -20,7 +20,7 @@ def test_without_a_mode_the_plugin_does_nothing(monkeypatch, mode):
     assert "kvcanary.engines.sglang.entry" not in sys.modules
 
 
-def test_the_configuration_comes_from_the_environment_and_repair_is_refused(monkeypatch):
+def test_the_configuration_comes_from_the_environment_and_a_bad_mode_is_refused(monkeypatch):
     from kvcanary.engines.sglang.entry import config_from_env
 
     monkeypatch.setenv("KVCANARY_MODE", "quarantine")
@@ -28,9 +28,9 @@ def test_the_configuration_comes_from_the_environment_and_repair_is_refused(monk
     c = config_from_env()
     assert c.mode == "quarantine" and c.patrol_budget_bytes == 0
     monkeypatch.setenv("KVCANARY_MODE", "repair")
-    with pytest.raises(ConfigError, match="KVCANARY_MODE: expected one of log, raise, quarantine or off for SGLang, "
-                                          "got 'repair'"):
-        config_from_env()
+    monkeypatch.setenv("KVCANARY_REPAIR_LIMIT", "3")
+    c = config_from_env()
+    assert c.mode == "repair" and c.repair_limit == 3
     monkeypatch.setenv("KVCANARY_MODE", "lgo")
     with pytest.raises(ConfigError, match="KVCANARY_MODE"):
         config_from_env()

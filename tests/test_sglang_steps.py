@@ -11,7 +11,7 @@ import torch
 
 from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
-from kvcanary.engines.sglang.heal import holders, hurt
+from kvcanary.engines.sglang.heal import FAIL, REDO, Heal, holders, reasons
 from kvcanary.engines.sglang.scheduler import book_rows, request_ids, tail
 from kvcanary.engines.sglang.steps import build_step
 from kvcanary.engines.token_book import TokenBook
@@ -116,16 +116,57 @@ def test_the_book_grows_with_each_forward_and_rereads_a_stream_an_abort_replaced
     assert request_ids([a, b], 2) == ["a", "b"] and request_ids(None, 2) == ["", ""]
 
 
-def _violation(slot, request=None, row=-1):
-    return Violation(Site.SCRUB, Check.CONTENT, 0, row, slot, 0, -1, -1, 0, 0, 0, 0, 0, -1, request=request)
+def _violation(slot, request=None, row=-1, checks=Check.CONTENT, site=Site.SCRUB):
+    return Violation(site, checks, 0, row, slot, 0, -1, -1, 0, 0, 0, 0, 0, -1, request=request)
+
+
+def _step():
+    table = table_with({1: [1, 2, 3], 2: [1, 5], 3: [6, 7]})
+    return build_step(extend([1, 2, 3], [2, 1, 1], [1, 1, 1], [1, 2, 3], [3, 5, 7]), table)
 
 
 def test_a_record_of_no_request_hurts_every_row_that_holds_its_slot():
-    table = table_with({1: [1, 2, 3], 2: [1, 5], 3: [6, 7]})
-    step = build_step(extend([1, 2, 3], [2, 1, 1], [1, 1, 1], [1, 2, 3], [3, 5, 7]), table)
+    step = _step()
     assert holders(step, t([1])) == [0, 1]
-    assert hurt([_violation(1)], step, ["a", "b", "c"]) == {"a", "b"}
-    assert hurt([_violation(7, request="c")], step, ["a", "b", "c"]) == {"c"}
+    assert set(reasons([_violation(1)], step, ["a", "b", "c"])) == {"a", "b"}
+    assert set(reasons([_violation(7, request="c")], step, ["a", "b", "c"])) == {"c"}
+    # a slot found spoiled in an earlier forward hurts whoever reads it now
+    assert set(reasons([], step, ["a", "b", "c"], poisoned=[5])) == {"b"}
+
+
+def test_repair_recomputes_a_hurt_request_until_its_limit_then_fails_it():
+    step, rids = _step(), ["a", "b", "c"]
+    h = Heal("repair", limit=2)
+    for _ in range(2):
+        h.forward([_violation(6, request="c", site=Site.VERIFY)], step, rids)
+        assert h.due == {"c": (REDO, h.due["c"][1])} and "CONTENT" in h.due["c"][1]
+        h.due.clear()  # the scheduler settled it
+    h.forward([_violation(6, request="c", site=Site.VERIFY)], step, rids)
+    act, why = h.due["c"]
+    assert act == FAIL and "again after 2 repairs" in why
+    h.forget("c")
+    assert "c" not in h.repairs
+    q = Heal("quarantine", limit=2)
+    q.forward([_violation(6, request="c", site=Site.VERIFY)], step, rids)
+    assert q.due["c"][0] == FAIL
+
+
+def test_named_slots_are_poisoned_until_freed_and_only_spoiled_bytes_hurt_other_readers():
+    step, rids = _step(), ["a", "b", "c"]
+    h = Heal("quarantine", limit=2)
+    # a wrong position at slot 2: the reader's table may be what is wrong, so only the reader is hurt
+    h.forward([_violation(2, request="a", checks=Check.POSITION, site=Site.VERIFY)], step, rids)
+    assert set(h.due) == {"a"} and h.poisoned == {2} and not h.spoiled
+    # changed bytes at slot 1: every row holding it is hurt (a and b read it)
+    h.due.clear()
+    h.forward([_violation(1, request="b", checks=Check.CONTENT, site=Site.VERIFY)], step, rids)
+    assert set(h.due) == {"a", "b"} and h.spoiled == {1} and h.poisoned == {1, 2}
+    # an attention mismatch names no slot to poison
+    h.forward([_violation(7, request="c", checks=Check.ATTENTION, site=Site.AUDIT)], step, rids)
+    assert h.poisoned == {1, 2} and h.due["c"][0] == FAIL
+    h.freed(t([1, 2]))
+    assert not h.poisoned and not h.spoiled
+    assert h.counts["slots_poisoned"] == 2
 
 
 def test_a_canary_over_these_steps_is_clean_and_finds_an_entry_off_by_one():

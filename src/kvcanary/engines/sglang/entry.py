@@ -1,35 +1,17 @@
 """Protect SGLang's engine with one environment variable and nothing in the user's code:
 
     KVCANARY_MODE=log python -m sglang.launch_server --model-path MODEL ...
-    KVCANARY_MODE=log python my_script.py          # which makes sgl.Engine(model_path=...)
+    KVCANARY_MODE=repair python my_script.py       # which makes sgl.Engine(model_path=...)
 
 kvcanary's ``sglang.srt.plugins`` entry point (:func:`kvcanary.engines.sglang.plugin.register`),
 which SGLang loads in each of its processes, calls :func:`install` when ``KVCANARY_MODE`` is set
-(``log``, ``raise`` or ``quarantine``; the other ``KVCANARY_*`` variables configure the canary as
-everywhere). A user who restricts SGLang's plugins with ``SGLANG_PLUGINS`` lists ``kvcanary`` there.
-
-Hook points: class-level wraps of SGLang's own methods, installed once per process, doing work only
-in the scheduler process (where, with one tensor-parallel rank, the model runner, the KV pool, the
-``req_to_token`` table and the radix cache live):
-
-================================================ =================================================
-SGLang method                                    what the canary does there
-================================================ =================================================
-``TpModelWorker.forward_batch_generation``       takes the forward's ``ScheduleBatch``: its
-                                                 requests, in the order of the batch's rows
-``ModelRunner.forward`` (the target runner)      before: the step from the ``ForwardBatch`` and
-                                                 ``req_to_token`` (:mod:`.steps`), every read slot
-                                                 verified (a request's first read of cached KV
-                                                 byte for byte); after: the written slots stamped
-                                                 and fingerprinted, reads of them verified, the
-                                                 patrol's share, then report and heal (:mod:`.heal`)
-``TokenToKVPoolAllocator.free`` / ``.clear``     freed slots released (a free group counted once,
-                                                 when it ends): a read before a new write is EMPTY
-``ReqToTokenPool.free``                          the request left its row: its stream goes
-================================================ =================================================
+(``log``, ``raise``, ``quarantine`` or ``repair``; the other ``KVCANARY_*`` variables configure the
+canary as everywhere). A user who restricts SGLang's plugins with ``SGLANG_PLUGINS`` lists
+``kvcanary`` there. The SGLang methods wrapped, and what the canary does in each, are listed in
+:mod:`.hooks`; this module holds the adapter those wraps call.
 
 Radix-cache hits, prefix deduplication (a row re-pointed to the tree's slots after a forward),
-chunked prefill, ``n > 1``, aborts and retraction all reach the canary through these: the table is
+chunked prefill, ``n > 1``, aborts and retraction all reach the canary through them: the table is
 read as it stands at each forward, and stamps depend on tokens and positions, never on slot ids.
 """
 
@@ -45,6 +27,8 @@ from kvcanary.canary import Canary
 from kvcanary.config import CanaryConfig
 from kvcanary.engines.base import Adapter, hook, named
 from kvcanary.engines.sglang import heal
+from kvcanary.engines.sglang.audit import SglangAudit
+from kvcanary.engines.sglang.hooks import wrap_all
 from kvcanary.engines.sglang.scheduler import book_rows, request_ids
 from kvcanary.engines.sglang.steps import build_step
 from kvcanary.errors import ConfigError, UnsupportedError
@@ -54,12 +38,13 @@ from kvcanary.step import Step
 from kvcanary.violations import Site, Violation
 
 log = logging.getLogger("kvcanary")
-MODES = ("log", "raise", "quarantine")  # what KVCANARY_MODE may say for SGLang ("off": nothing installed)
+MODES = ("log", "raise", "quarantine", "repair")  # what KVCANARY_MODE may say for SGLang ("off": nothing installed)
 NAME = "kv"  # the one pool's canary
 
 
 class SglangCanary(Adapter):
-    """kvcanary in SGLang's scheduler process: one canary over the token-to-KV pool."""
+    """kvcanary in SGLang's scheduler process: one canary over the token-to-KV pool, the write check
+    and read audit on its torch-native attention, and the healing of the requests it finds hurt."""
 
     engine = "sglang"
 
@@ -68,6 +53,8 @@ class SglangCanary(Adapter):
         self.runner: Any = None  # the target model runner the canary watches
         self.allocator: Any = None
         self.canary: Canary | None = None
+        self.audit: SglangAudit | None = None
+        self.heal = heal.Heal(config.mode, config.repair_limit)
         self.off = False  # the engine's cache is one kvcanary does not describe: nothing is checked
         self.batch: Any = None  # the ScheduleBatch of the running forward
         self.reqs: list[Any] = []
@@ -75,8 +62,13 @@ class SglangCanary(Adapter):
         self.step: Step | None = None
         self.seen: set[str] = set()  # requests whose first read of cached KV was verified
         self.forwards = 0
-        self.failed: dict[str, str] = {}  # requests failed by the canary -> the evidence
+        self.raised: dict[str, str] = {}  # raise mode: requests failed with the canary's error
         self._history: dict[int, list[str]] = {}  # forward -> its rows' request ids
+
+    @property
+    def failed(self) -> dict[str, str]:
+        """Every request the canary failed -> the evidence."""
+        return {**self.heal.failed, **self.raised}
 
     def canaries(self) -> list[Canary]:
         return [self.canary] if self.canary is not None else []
@@ -107,7 +99,8 @@ class SglangCanary(Adapter):
 
     def bind(self, runner: Any) -> None:
         """The canary over ``runner``'s pool: every layer's K and V rows (``[slots, heads, dim]``, the
-        two halves of one allocation), slot 0 (SGLang's padding slot) reserved."""
+        two halves of one allocation), slot 0 (SGLang's padding slot) reserved; the audit over the
+        model's attention layers."""
         pool, alloc = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator
         if type(alloc).__name__ != "TokenToKVPoolAllocator" or int(getattr(pool, "page_size", 1)) != 1:
             raise UnsupportedError(f"SGLang KV allocator {type(alloc).__name__} with page size "
@@ -119,11 +112,24 @@ class SglangCanary(Adapter):
                                    f"lists (MHATokenToKVPool); MLA, hybrid SWA and quantized pools are not described")
         if ks[0].device.type != "cpu":
             raise UnsupportedError(f"SGLang KV pool on {ks[0].device}: the SGLang adapter runs on CPU pools")
+        args = getattr(runner, "server_args", None)
+        if self.config.mode in heal.HEAL_MODES and args is not None and not getattr(args, "disable_overlap_schedule",
+                                                                                    True):
+            raise ConfigError(f"KVCANARY_MODE={self.config.mode} on SGLang needs the overlap scheduler off "
+                              f"(--disable-overlap-schedule): a request is healed before its next forward is "
+                              f"scheduled")
         layers = [page_major(k.unsqueeze(1), v.unsqueeze(1), i) for i, (k, v) in enumerate(zip(ks, vs))]
         layout = KvLayout(tuple(s for i, g in enumerate(layers) for s in g.sources(f"layer{i}")), reserved=(0,))
         healer = "sglang" if self.config.mode in heal.HEAL_MODES else None
         self.canary = Canary(int(ks[0].shape[0]), layout, self.config, healer=healer)
         self.allocator = alloc
+        attns = [m for m in runner.model.modules() if type(m).__name__ == "RadixAttention"]
+        backend = type(getattr(runner, "attn_backend", None)).__name__
+        if backend != "TorchNativeAttnBackend" and (self.config.write_check or self.config.audit_queries):
+            log.warning("kvcanary: SGLang's %s attention is not audited (the write check and read audit wrap the "
+                        "torch-native backend)", backend)
+            attns = []
+        self.audit = SglangAudit(self, attns, layers, NAME, self.canary.backend == "fused")
         log.info("kvcanary: watching SGLang's KV pool: %d slots, %d layers (mode %s)", self.canary.num_slots,
                  len(ks), self.config.mode)
 
@@ -131,7 +137,7 @@ class SglangCanary(Adapter):
 
     @hook("the before-forward check")
     def before_forward(self, fb: Any) -> None:
-        """The step of this forward, and every cached slot it reads verified."""
+        """The step of this forward, every cached slot it reads verified, the audit planned."""
         self.step = None
         c = self.canary
         assert c is not None
@@ -152,22 +158,35 @@ class SglangCanary(Adapter):
         self._history.pop(self.forwards - self.config.history, None)
         self.verify_new_readers({NAME: step}, self.rids, self.seen)
         c.before_forward(step)
+        if self.audit is not None:
+            self.audit.begin(step, self.rids, self.forwards)
+
+    def attention(self, attn: Any, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, o: torch.Tensor,
+                  wrote: bool) -> None:
+        """After one layer's torch-native attention: its write check and audited queries (a failure is
+        the audit's: counted, or raised in ``raise`` mode, and this forward's audit is dropped)."""
+        if self.audit is not None and self.step is not None:
+            self.audit.layer(attn, q, k, v, o, wrote)
 
     @hook("the after-forward check")
     def after_forward(self) -> None:
-        """Stamp the written slots, verify reads of them, run the patrol's share; report and heal."""
+        """Stamp the written slots, verify reads of them, run the patrol's share; report, and decide
+        what happens to the requests hurt."""
         step, self.step = self.step, None
         c = self.canary
         if step is None or c is None:
             return
+        audit = self.audit
+        if audit is not None:
+            audit.finish()
         c.after_forward(step, patrol=True)
-        found = [self._first_reader(v) if v.site == Site.FIRST_READ else named(v, self.rids) for v in c.drain()]
+        raw = c.drain() + (audit.drain() if audit is not None else [])
+        if audit is not None:
+            audit.end()
+        found = [self._first_reader(v) if v.site == Site.FIRST_READ else named(v, self.rids) for v in raw]
         self.forwards += 1
-        if found and self.config.mode == "quarantine":
-            hurt = heal.hurt(found, step, self.rids)
-            evidence = f"kvcanary: {found[0].describe()}"
-            for rid in heal.fail(self.reqs, hurt, evidence, None):
-                self.failed[rid] = evidence
+        if self.config.mode in heal.HEAL_MODES and (found or self.heal.spoiled):
+            self.heal.forward(found, step, self.rids)
         self.report(found)
         self.publish_metrics()
 
@@ -180,8 +199,26 @@ class SglangCanary(Adapter):
         which SGLang raises in each caller's ``generate``; the engine goes on."""
         self.pending = None
         message = f"kvcanary: {type(e).__name__}: {e}"
-        for rid in heal.fail(self.reqs, None, message, 500):
-            self.failed[rid] = message
+        for rid in heal.fail_all(self.reqs, message, 500):
+            self.raised[rid] = message
+
+    # ---- the scheduler ---------------------------------------------------------------------------
+
+    def settle(self, sched: Any, batch: Any, process: Callable[[], Any]) -> Any:
+        """Around the scheduler's processing of a forward's results: the hurt requests' outputs
+        dropped, then each recomputed or failed (:meth:`kvcanary.engines.sglang.heal.Heal.settle`).
+        A failure of the canary's own here is counted; SGLang's processing runs once whatever
+        happens."""
+        if not self.heal.due and not self.heal.poisoned:
+            return process()
+        ran: list[Any] = []
+
+        def once() -> Any:
+            ran.append(process())
+            return ran[0]
+
+        self.shielded("healing", self.heal.settle, sched, batch, once)
+        return ran[0] if ran else process()
 
     # ---- the engine's frees ---------------------------------------------------------------------
 
@@ -189,20 +226,30 @@ class SglangCanary(Adapter):
     def on_free(self, allocator: Any, index: torch.Tensor) -> None:
         if allocator is self.allocator and allocator.free_group is None and self.canary is not None:
             self.canary.release(index.long())
+            self.heal.freed(index)
 
     @hook("the KV allocator's reset")
     def on_clear(self, allocator: Any) -> None:
         if allocator is self.allocator and self.canary is not None:
             self.canary.release(torch.arange(1, self.canary.num_slots))
+            self.heal.clear()
 
+    @hook("a request leaving its row")
     def on_row_free(self, req: Any) -> None:
-        """A request left its ``req_to_token`` row (it finished, was aborted or retracted)."""
+        """A request left its ``req_to_token`` row (it finished, was aborted, retracted or repaired)."""
         rid = str(req.rid)
         self.book.forget(rid)
         self.seen.discard(rid)
+        if req.finished():
+            self.heal.forget(rid)
+
+    def heal_counts(self) -> dict[str, int]:
+        return {**Adapter.heal_counts(self), **self.heal.counts}
 
     def stats(self) -> dict[str, int]:
         out = Adapter.stats(self)
+        if self.audit is not None:
+            out.update(self.audit.stats())
         out["forwards"] = self.forwards
         out["requests_failed"] = len(self.failed)
         return out
@@ -228,93 +275,20 @@ def config_from_env() -> CanaryConfig:
     not run is refused by name."""
     config = CanaryConfig.from_env(CanaryConfig(mode="log"))
     if config.mode not in MODES and config.mode != "off":
-        raise ConfigError(f"KVCANARY_MODE: expected one of {', '.join(MODES)} or off for SGLang, got "
-                          f"{config.mode!r} (repair, recomputing the requests that read corrupted KV, is not done on "
-                          f"SGLang yet)")
+        raise ConfigError(f"KVCANARY_MODE: expected one of {', '.join(MODES)} or off for SGLang, got {config.mode!r}")
     return config
 
 
 def install(config: CanaryConfig | None = None) -> SglangCanary | None:
-    """Wrap SGLang's methods (once per process) so that this process's forwards are checked;
-    returns the adapter (``None`` in mode ``off``: nothing is wrapped)."""
+    """Wrap SGLang's methods (once per process, :func:`kvcanary.engines.sglang.hooks.wrap_all`) so
+    that this process's forwards are checked; returns the adapter (``None`` in mode ``off``:
+    nothing is wrapped)."""
     config = config or config_from_env()
     if config.mode == "off":
         return None
     if _adapter:
         return _adapter[0]
-    from sglang.srt.managers.tp_worker import TpModelWorker
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.model_executor.model_runner import ModelRunner
-
     ad = SglangCanary(config)
     _adapter.append(ad)
-    _wrap(TpModelWorker, "forward_batch_generation", _taking_batch(ad))
-    _wrap(ModelRunner, "forward", _checking_forward(ad))
-    _wrap(TokenToKVPoolAllocator, "free", lambda orig: _after(orig, ad, ad.on_free))
-    _wrap(TokenToKVPoolAllocator, "clear", lambda orig: _after(orig, ad, ad.on_clear))
-    _wrap(ReqToTokenPool, "free", lambda orig: _before_row_free(orig, ad))
+    wrap_all(ad)
     return ad
-
-
-def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    orig = getattr(cls, name)
-    fn = make(orig)
-    fn.__wrapped__ = orig  # type: ignore[attr-defined]
-    fn.__name__ = name
-    setattr(cls, name, fn)
-
-
-def _taking_batch(ad: SglangCanary) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def forward_batch_generation(self: Any, batch: Any = None, *a: Any, **k: Any) -> Any:
-            ad.batch = batch
-            try:
-                return orig(self, batch, *a, **k)
-            finally:
-                ad.batch = None
-
-        return forward_batch_generation
-
-    return make
-
-
-def _checking_forward(ad: SglangCanary) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(self: Any, forward_batch: Any, *a: Any, **k: Any) -> Any:
-            if not ad.watches(self):
-                return orig(self, forward_batch, *a, **k)
-            _delivered(ad, ad.before_forward, forward_batch)
-            out = orig(self, forward_batch, *a, **k)
-            _delivered(ad, ad.after_forward)
-            return out
-
-        return forward
-
-    return make
-
-
-def _delivered(ad: SglangCanary, fn: Callable[..., Any], *args: Any) -> None:
-    """Run a hook; what it raises (``raise`` mode only: the others never raise) goes to the
-    forward's callers (:meth:`SglangCanary.deliver`), not into SGLang's scheduler."""
-    try:
-        fn(*args)
-    except Exception as e:
-        ad.deliver(e)
-
-
-def _after(orig: Callable[..., Any], ad: SglangCanary, then: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(self: Any, *a: Any, **k: Any) -> Any:
-        out = orig(self, *a, **k)
-        _delivered(ad, then, self, *a)
-        return out
-
-    return wrapper
-
-
-def _before_row_free(orig: Callable[..., Any], ad: SglangCanary) -> Callable[..., Any]:
-    def free(self: Any, req: Any, *a: Any, **k: Any) -> Any:
-        ad.on_row_free(req)
-        return orig(self, req, *a, **k)
-
-    return free
