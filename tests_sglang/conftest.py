@@ -1,11 +1,12 @@
 """SGLang's CPU engine for kvcanary's SGLang tests: run in .venv-sglang (scripts/setup-sglang, or
 scripts/test-sglang, which sets it up and runs these tests).
 
-A tiny random-weight Llama is saved to a temporary folder (nothing is downloaded). Two engines serve
+A tiny random-weight Llama is saved to a temporary folder (nothing is downloaded). Three engines serve
 the session, one after the other (at most one engine process at a time; each takes tens of seconds
 to start): a plain one (``engine``: the smoke tests in test_engine.py, which run first, and the
 reference run of the fixed workload), then one with kvcanary turned on the way a user turns it on,
-``KVCANARY_MODE=log`` in the environment and nothing else (``canary``: every other test). The
+``KVCANARY_MODE=log`` in the environment and nothing else (``canary``: every other test), then a
+tiny Gemma2 with the canary (``gemma2``: sliding-window layers; its tests run last). The
 engines' schedulers run in spawned subprocesses; they find the sgl_kernel and torchvision stand-ins
 (tests_sglang/stubs/) through the .pth file scripts/setup-sglang writes into .venv-sglang, and the
 tests' control plugin (tests_sglang/control/: fault injection, mode, stats) through PYTHONPATH."""
@@ -34,8 +35,9 @@ CANARY_ENV = ("KVCANARY_MODE", "KVCANARY_VIOLATIONS_LOG", "KVCANARY_TEST_CONTROL
 
 
 def pytest_collection_modifyitems(items):
-    # the plain engine's tests first: it gives way to the canary's engine afterwards
-    items.sort(key=lambda it: 0 if it.path.name == "test_engine.py" else 1)
+    # the plain engine's tests first: it gives way to the canary's engine afterwards, and that to the
+    # Gemma2 engine's tests at the end
+    items.sort(key=lambda it: 0 if it.path.name == "test_engine.py" else 2 if "gemma2" in it.fixturenames else 1)
 
 
 @pytest.fixture(scope="session")
@@ -96,10 +98,11 @@ class Canary:
         self.log = os.path.join(where, "violations.jsonl")
         self.commands = 0
 
-    def command(self, mode=None, fault=None):
-        """Switch the canary's mode and/or arm a fault for the next batch it matches."""
+    def command(self, mode=None, fault=None, **more):
+        """Switch the canary's mode and/or arm a fault for the next batch it matches (``break``:
+        make a piece of kvcanary fail, or mend it with ``None``; tests_sglang/control/)."""
         self.commands += 1
-        cmd = {"id": self.commands, "mode": mode, "fault": fault}
+        cmd = {"id": self.commands, "mode": mode, "fault": fault, **more}
         tmp = os.path.join(self.where, "command.json.tmp")
         with open(tmp, "w") as fh:
             json.dump(cmd, fh)
@@ -118,19 +121,19 @@ class Canary:
             return [json.loads(line) for line in fh if line.strip()]
 
 
-@pytest.fixture(scope="session")
-def canary(reference, plain, tiny_llama, tmp_path_factory):
+def _canary_engine(model, where, plain):
+    """An engine with kvcanary turned on the way a user turns it on (``KVCANARY_MODE=log`` in the
+    environment), the tests' control plugin in its scheduler."""
     import sglang as sgl
 
     plain.close()
-    where = str(tmp_path_factory.mktemp("canary"))
     env = {"KVCANARY_MODE": "log", "KVCANARY_VIOLATIONS_LOG": os.path.join(where, "violations.jsonl"),
            "KVCANARY_TEST_CONTROL": where,
            "PYTHONPATH": os.path.join(HERE, "control") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        eng = sgl.Engine(model_path=tiny_llama, **ENGINE_ARGS)
+        eng = sgl.Engine(model_path=model, **ENGINE_ARGS)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -141,8 +144,38 @@ def canary(reference, plain, tiny_llama, tmp_path_factory):
     # one request, so that the scheduler's first forward binds the canary to the pool (state.json)
     eng.generate(input_ids=[[5, 6, 7]], sampling_params={"temperature": 0, "max_new_tokens": 2})
     assert c.state()["stats"]["forwards"] >= 2, c.state()
+    return c
+
+
+class _Running:
+    """The canary engine of the session that is running (one engine process at a time)."""
+
+    engine = None
+
+
+@pytest.fixture(scope="session")
+def canary(reference, plain, tiny_llama, tmp_path_factory):
+    c = _canary_engine(tiny_llama, str(tmp_path_factory.mktemp("canary")), plain)
+    _Running.engine = c.engine
     yield c
-    eng.shutdown()
+    if _Running.engine is c.engine:
+        c.engine.shutdown()
+        _Running.engine = None
+
+
+@pytest.fixture(scope="session")
+def gemma2(plain, tmp_path_factory):
+    """A tiny Gemma2 (its even layers attend through a sliding window of 8) with the canary on,
+    started after the Llama's canary engine shut down (its tests run last)."""
+    from tiny_model import make_tiny_model
+
+    if _Running.engine is not None:
+        _Running.engine.shutdown()
+        _Running.engine = None
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-gemma2"), "gemma2")
+    c = _canary_engine(model, str(tmp_path_factory.mktemp("gemma2")), plain)
+    yield c
+    c.engine.shutdown()
 
 
 def pytest_addoption(parser):

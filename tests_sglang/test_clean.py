@@ -30,6 +30,11 @@ def test_outputs_are_the_plain_engines_and_nothing_is_reported(canary, reference
     assert s["slots_verified"] > prompt_tokens and s["content_bytes_stamped"] > 0
     assert s["slots_stamped"] > sum(len(t) for part in tokens.values() for t in part)
     assert s["forwards"] > before["forwards"]
+    # the write check saw every new token of every layer, and the read audit ran on every forward
+    forwards = s["forwards"] - before["forwards"]
+    checked = s["write_slots_checked"] - before["write_slots_checked"]
+    assert checked >= 2 * (s["slots_stamped"] - before["slots_stamped"])  # 2 layers
+    assert s["audit_queries"] - before["audit_queries"] >= forwards
 
 
 def test_an_aborted_request_leaves_nothing_to_report(canary, reference):

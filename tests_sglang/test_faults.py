@@ -90,3 +90,48 @@ def test_quarantine_fails_only_the_requests_that_read_corrupted_kv(canary):
         assert o["meta_info"]["id"] in failed
     assert bystander["meta_info"]["finish_reason"]["type"] == "length"
     assert bystander["output_ids"] == clean and bystander["meta_info"]["id"] not in failed
+
+
+@pytest.mark.parametrize("piece", ["audit", "steps", "stamps"])
+def test_a_failure_of_the_canarys_own_never_reaches_the_engine_nor_turns_into_reports(canary, piece):
+    """In ``log`` mode, a piece of kvcanary made to fail inside the engine: the outputs are a clean
+    run's, the failures are counted, nothing is reported, then or after the piece is mended."""
+    import workload
+
+    prompts = [_prefix(300 + 40 * ["audit", "steps", "stamps"].index(piece))[:20] + [5, 6], workload.SHARED[0]]
+    clean = [o["output_ids"] for o in canary.engine.generate(input_ids=prompts, sampling_params=G)]
+    before = canary.state()["stats"]
+    events = len(canary.events())
+    canary.command(**{"break": piece})
+    try:
+        broken = [o["output_ids"] for o in canary.engine.generate(input_ids=prompts, sampling_params=G)]
+        st = canary.state()
+    finally:
+        canary.command(**{"break": None})
+    assert st["broken"] == [piece] and not st["errors"]
+    assert broken == clean
+    assert st["stats"]["internal_errors"] > before["internal_errors"]
+    mended = [o["output_ids"] for o in canary.engine.generate(input_ids=prompts, sampling_params=G)]
+    after = canary.state()
+    assert mended == clean and after["broken"] == []
+    assert after["stats"]["violations"] == before["violations"] and len(canary.events()) == events
+    assert after["stats"]["internal_errors"] == st["stats"]["internal_errors"]
+
+
+def test_a_failing_healer_leaves_the_engine_serving(canary):
+    """``repair`` with its healing made to fail: the failure is counted and SGLang processes the
+    forward's results as it would without the canary (the request is not repaired, nothing hangs)."""
+    p = _prefix(420)
+    clean = canary.engine.generate(input_ids=[p + [1, 2]], sampling_params=G)[0]["output_ids"]
+    before = canary.state()["stats"]
+    canary.command(mode="repair", fault={"kind": "flip", "prefix": p, "position": 4, "half": "v", "layer": 1},
+                   **{"break": "heal"})
+    try:
+        out = canary.engine.generate(input_ids=[p + [1, 2]], sampling_params=G)[0]
+        st = canary.state()
+    finally:
+        canary.command(mode="log", **{"break": None})
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == len(clean)
+    assert st["stats"]["internal_errors"] > before["internal_errors"] and st["stats"]["repairs"] == before["repairs"]
+    again = canary.engine.generate(input_ids=[_prefix(460) + [1]], sampling_params=G)[0]
+    assert again["meta_info"]["finish_reason"]["type"] == "length"

@@ -121,7 +121,7 @@ class Violation:
             return self._describe_audit(names)
         where = f"row {self.row} " if self.row >= 0 else ""
         if self.request is not None:
-            where = f"request {self.request} ({where.strip()}) "
+            where = f"request {self.request} ({where.strip()}) " if where else f"request {self.request} "
         reserved = self.site == Site.GUARD and self.position < 0
         s = (
             f"[{self.site.name.lower()} step {self.step}] {names}: {where}slot {self.slot} "

@@ -179,6 +179,7 @@ class Heal:
     def forget(self, rid: str) -> None:
         """Request ``rid`` left its row for good (finished or failed)."""
         self.repairs.pop(rid, None)
+        self.due.pop(rid, None)
 
 
 def reasons(found: Iterable[Violation], step: Step | None, rids: Sequence[str],
