@@ -14,8 +14,9 @@ scale only), so the audit checks the attention it computes, and says once that a
 On a CPU pool (the fused backend) both checks run in the compiled loop
 (:mod:`kvcanary.fused.audit`): a forward of at most :data:`DEFER_TOKENS` new tokens keeps
 references to each layer's tensors and checks every layer in one call after the forward; a larger
-one checks each layer in one call as it goes. Elsewhere the torch reference runs each layer's
-checks as it goes.
+one checks each layer in one call as it goes. Elsewhere (a CUDA pool) the torch reference runs each
+layer's checks as it goes, with device ops only: nothing is read on the host until the results are
+drained after the forward.
 """
 
 from __future__ import annotations
@@ -101,17 +102,17 @@ class SglangAudit(EngineAudit):
 
     # ---- per forward --------------------------------------------------------------------------
 
-    def begin(self, step: Step, rids: list[str], forwards: int) -> None:
-        """Plan this forward's write checks and audited queries (host work from the step's lengths)."""
+    def begin(self, step: Step, cached: np.ndarray, q: np.ndarray, rids: list[str], forwards: int) -> None:
+        """Plan this forward's write checks and audited queries: host work from each row's ``cached``
+        and new (``q``) token counts, the step's on the host (int64 ``[R]``)."""
         t0 = time.perf_counter()
         self.fa, self.step, self.plans, self._qt = None, None, {}, None
         self.write_tokens = self.write_index = None
         self.kept.clear()
         if not self.order or not self.due(forwards):
             return
-        cu = step.new_offsets.numpy()
-        q = np.diff(cu)
-        cached = step.cached_lens.numpy()
+        cu = np.zeros(len(q) + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
         total = int(cu[-1])
         self.step = step
         self.deferred = self.fused and total <= DEFER_TOKENS

@@ -30,7 +30,7 @@ from kvcanary.engines.sglang import heal
 from kvcanary.engines.sglang.audit import SglangAudit
 from kvcanary.engines.sglang.hooks import wrap_all
 from kvcanary.engines.sglang.scheduler import book_rows, request_ids
-from kvcanary.engines.sglang.steps import build_step
+from kvcanary.engines.sglang.steps import build_step, host_counts
 from kvcanary.errors import ConfigError, UnsupportedError
 from kvcanary.geometry.pages import page_major
 from kvcanary.layout import KvLayout
@@ -110,8 +110,6 @@ class SglangCanary(Adapter):
         if not isinstance(ks, list) or not isinstance(vs, list) or len(ks) != len(vs) or not ks:
             raise UnsupportedError(f"SGLang KV pool {type(pool).__name__}: expected per-layer k_buffer and v_buffer "
                                    f"lists (MHATokenToKVPool); MLA, hybrid SWA and quantized pools are not described")
-        if ks[0].device.type != "cpu":
-            raise UnsupportedError(f"SGLang KV pool on {ks[0].device}: the SGLang adapter runs on CPU pools")
         args = getattr(runner, "server_args", None)
         if self.config.mode in heal.HEAL_MODES and args is not None and not getattr(args, "disable_overlap_schedule",
                                                                                     True):
@@ -150,7 +148,12 @@ class SglangCanary(Adapter):
         ends = getattr(fb, "seq_lens_cpu", None)
         ends = (ends if ends is not None else fb.seq_lens).tolist()
         rows = book_rows(self.book, self.reqs, ends) if self.reqs else None
-        step = build_step(fb, table, self.book.buf if rows is not None else None, rows)
+        expected = None
+        if rows is not None:  # the token book, where the pool is (a CUDA pool's copy gets what changed)
+            dev = c.device
+            expected = self.book.buf if dev.type == "cpu" else self.book.on(dev)
+            rows = rows if dev.type == "cpu" else rows.to(dev)
+        step = build_step(fb, table, expected, rows)
         if step is None:
             return
         self.step = step
@@ -159,7 +162,7 @@ class SglangCanary(Adapter):
         self.verify_new_readers({NAME: step}, self.rids, self.seen)
         c.before_forward(step)
         if self.audit is not None:
-            self.audit.begin(step, self.rids, self.forwards)
+            self.audit.begin(step, *host_counts(fb), self.rids, self.forwards)
 
     def attention(self, attn: Any, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, o: torch.Tensor,
                   wrote: bool) -> None:
@@ -231,7 +234,7 @@ class SglangCanary(Adapter):
     @hook("the KV allocator's reset")
     def on_clear(self, allocator: Any) -> None:
         if allocator is self.allocator and self.canary is not None:
-            self.canary.release(torch.arange(1, self.canary.num_slots))
+            self.canary.release(torch.arange(1, self.canary.num_slots, device=self.canary.device))
             self.heal.clear()
 
     @hook("a request leaving its row")

@@ -16,14 +16,15 @@ decode       ``seq_lens - 1``                           one
 
 The table already holds this forward's slots when the runner is entered (the scheduler allocated
 them), and the torch-native backend reads each row's whole ``[0, seq_len)``, sliding-window layers
-included (they mask, they do not skip). Imports nothing of SGLang's: the tests build steps from
-stand-in batches.
+included (they mask, they do not skip). The step's tensors are the batch's, on the pool's device.
+Imports nothing of SGLang's: the tests build steps from stand-in batches.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcanary.engines.block_table import written_from
@@ -47,6 +48,21 @@ def new_counts(fb: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
                            f"(not speculative decoding, split prefill or dLLM yet)")
 
 
+def host_counts(fb: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's cached length and new-token count (int64 ``[R]`` each) on the host, from the
+    ``ForwardBatch``'s CPU copies where it has them (no read of a device tensor): for the audit's
+    planning."""
+    if fb.forward_mode.is_decode():
+        seq = getattr(fb, "seq_lens_cpu", None)
+        seq = np.asarray(seq if seq is not None else fb.seq_lens.tolist(), dtype=np.int64)
+        return seq - 1, np.ones_like(seq)
+    cached = getattr(fb, "extend_prefix_lens_cpu", None)
+    new = getattr(fb, "extend_seq_lens_cpu", None)
+    cached = cached if cached is not None else fb.extend_prefix_lens.tolist()
+    new = new if new is not None else fb.extend_seq_lens.tolist()
+    return np.asarray(cached, dtype=np.int64), np.asarray(new, dtype=np.int64)
+
+
 def build_step(fb: Any, req_to_token: torch.Tensor, expected: torch.Tensor | None = None,
                expected_rows: torch.Tensor | None = None) -> Step | None:
     """The step of one forward (``None``: it touches no KV).
@@ -68,7 +84,7 @@ def build_step(fb: Any, req_to_token: torch.Tensor, expected: torch.Tensor | Non
     if int(fb.out_cache_loc.shape[0]) != n or int(fb.positions.shape[0]) != n:
         raise StepError(f"ForwardBatch: expected input_ids, positions and out_cache_loc of one length, got "
                         f"{n}, {int(fb.positions.shape[0])} and {int(fb.out_cache_loc.shape[0])}")
-    offsets = torch.zeros(q.shape[0] + 1, dtype=torch.int64)
+    offsets = torch.zeros(q.shape[0] + 1, dtype=torch.int64, device=q.device)
     torch.cumsum(q, 0, out=offsets[1:])
     step = Step(cached_lens=cached, new_offsets=offsets, new_tokens=fb.input_ids.long(),
                 new_positions=fb.positions.long(), new_slots=fb.out_cache_loc.long(), slot_table=req_to_token,
