@@ -11,10 +11,13 @@
 #                 FlexAttention) on CUDA tensors: Triton-vs-torch stamp parity, a clean verify and a
 #                 flipped byte found, then decode verify and prefill stamp timings
 #                 (bench/vllm_gpu_layouts.py, no vLLM needed), and tests/test_vllm_gpu.py's Triton cases
+#   sglang_pool   SGLang's token-to-KV pool layout on CUDA tensors: the Triton kernels' stamps against
+#                 the torch reference's, a clean verify, a flipped byte found (tests/test_sglang_pool.py's
+#                 Triton case, no SGLang needed)
 #
 # Needs .gpu/ from bench/prepare_gpu_run.sh (carry it). The stages' limits add up to 15 minutes,
 # more than one device call's 10, so split them (the session's 15 device minutes include starting):
-#   bench/gpu_run.sh bench        then        bench/gpu_run.sh tests transformers vllm_layouts
+#   bench/gpu_run.sh bench        then        bench/gpu_run.sh tests transformers vllm_layouts sglang_pool
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvcanary-gpu}
@@ -38,7 +41,7 @@ stage() {  # name, seconds, command...
   echo "== $name: exit $rc in $((SECONDS - t0))s"
 }
 
-for s in "${@:-bench tests transformers vllm_layouts}"; do
+for s in "${@:-bench tests transformers vllm_layouts sglang_pool}"; do
   for one in $s; do
     case $one in
       tests)  # kernel variants compile on first use: spread them over the host's cores when xdist is there
@@ -53,7 +56,9 @@ for s in "${@:-bench tests transformers vllm_layouts}"; do
       vllm_layouts)
         stage vllm_gpu_layouts 90 python3 bench/vllm_gpu_layouts.py --device cuda
         stage vllm_gpu_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_vllm_gpu.py -k triton ;;
-      *) echo "unknown stage $one (tests, bench, transformers, vllm_layouts)"; exit 2 ;;
+      sglang_pool)  # SGLang's pool layout on CUDA tensors under the Triton kernels (no SGLang needed)
+        stage sglang_pool_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_sglang_pool.py -k triton ;;
+      *) echo "unknown stage $one (tests, bench, transformers, vllm_layouts, sglang_pool)"; exit 2 ;;
     esac
   done
 done

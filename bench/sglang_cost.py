@@ -148,6 +148,7 @@ def main() -> int:
     if "off" not in modes:
         modes.insert(0, "off")
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    sys.path.insert(0, os.path.join(TESTS, "control"))  # spawned schedulers find plugins on this path
     where = tempfile.mkdtemp(prefix="kvcanary-sglang-cost-")
     path, extra, prompts, warm = workload(args, where)
     print(f"# sglang_cost: {args.model} ({path}), {len(prompts)} requests x {args.max_tokens} tokens, "
