@@ -162,12 +162,14 @@ class SglangAudit(EngineAudit):
         """After the forward: the checks kept for it, in one compiled call."""
         if self.fa is None or not self.kept:
             return
+        t0 = time.perf_counter()
         try:
             self._run(self.kept)
         except Exception as e:
             self.failed(e)
         finally:
             self.kept.clear()
+            self.spent += time.perf_counter() - t0  # the budget's (the after-forward hook counts the adapter's)
 
     def end(self) -> None:
         super().end()
