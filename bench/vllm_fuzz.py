@@ -5,8 +5,9 @@ layer, Gemma2, Gemma3 and GPT-OSS with sliding and full KV cache groups, or the 
 SmolLM2-135M-Instruct, ``smollm2``, prompted with real text), fp32 or bf16, a head size (80
 and 112 select the vec16 kernels), block size 32/64/128, prefix caching with shared prefixes on and
 off block boundaries, chunked prefill, a pool small enough to preempt, parallel sampling, ngram
-speculative decoding, tensor parallel 2, aborts, max_tokens 1, and every read byte verified in part
-of them. Each runs without the canary (twice where vLLM itself is not deterministic) and with it.
+speculative decoding, tensor parallel 2, aborts, max_tokens 1, every read byte verified in part of
+them, and in about 30 % the steps built on the device as on a GPU (``device_steps``; the
+connector's before-forward under the host-sync guard where the engine runs in-process). Each runs without the canary (twice where vLLM itself is not deterministic) and with it.
 A clean engine must give zero violations, zero internal errors, the same KV cache groups and
 blocks, the same greedy tokens where vLLM is deterministic, and the events the configuration claims.
 
@@ -17,6 +18,7 @@ stdout. Exit status 1 when any configuration failed. Run it in .venv-vllm (scrip
     .venv-vllm/bin/python bench/vllm_fuzz.py --seed 1 --only 7      # rerun the 8th configuration
     .venv-vllm/bin/python bench/vllm_fuzz.py --config '{"arch": "gemma3", "spec": 3}'
     .venv-vllm/bin/python bench/vllm_fuzz.py --archs smollm2 --configs 8   # the trained model only
+    .venv-vllm/bin/python bench/vllm_fuzz.py --device-steps --configs 8    # the GPU path's steps, on a CPU
 
 The trained model is converted once by an interpreter with kvcanary's ``real`` extra (vLLM's
 environment has no ``gguf``): ``KVCANARY_REAL_PYTHON``, else the checkout's ``.venv/bin/python``.
@@ -25,6 +27,7 @@ environment has no ``gguf``): ``KVCANARY_REAL_PYTHON``, else the checkout's ``.v
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -44,6 +47,8 @@ def main() -> int:
     ap.add_argument("--out", help="also append each configuration's JSON line to this file")
     ap.add_argument("--archs", default=",".join(ARCHS),
                     help=f"comma-separated models to draw from (default all: {','.join(ARCHS)})")
+    ap.add_argument("--device-steps", action="store_true",
+                    help="every configuration's steps built on the device (the GPU path; drawn in 30 %% otherwise)")
     args = ap.parse_args()
     archs = tuple(args.archs.split(","))
     if set(archs) - set(ARCHS):
@@ -52,6 +57,8 @@ def main() -> int:
     drawn = [draw(rng, args.seed * 1000 + i, archs)
              for i in range(args.configs if args.only is None else args.only + 1)]
     configs = drawn[args.only:] if args.only is not None else drawn
+    if args.device_steps:
+        configs = [dataclasses.replace(c, device_steps=True) for c in configs]
     if args.config is not None:
         configs = [FuzzConfig(**json.loads(args.config))]
     results: list[dict[str, Any]] = []
@@ -95,6 +102,7 @@ def summary(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
             "every_byte": sum(c["every_byte"] for c in cfgs), "max_tokens_1": sum(c["max_tokens"] == 1 for c in cfgs),
             "vec16_head_size": sum(c["head_dim"] in (80, 112) for c in cfgs),
             "block_sizes": sorted({c["block_size"] for c in cfgs}),
+            "device_steps": sum(bool(c.get("device_steps")) for c in cfgs),
         },
         "failures": [{"config": r["config"], "failures": r["failures"]} for r in results if not r["ok"]],
     }

@@ -24,7 +24,7 @@ from kvcanary.faults.transformers_cb import CbFault
 from kvcanary.step import Step
 from kvcanary.violations import Site
 
-from test_no_host_sync import no_host_sync
+from kvcanary.faults.host_sync import no_host_sync
 from test_transformers import prompts, tokens
 
 

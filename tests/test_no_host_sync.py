@@ -7,67 +7,17 @@ kvcanary's own code. The interpreter's own calls pass, as do the kernels' bodies
 call torch).
 """
 
-import contextlib
 import random
-import sys
 
 import pytest
 import torch
 
 from kvcanary import Canary, CanaryConfig
+from kvcanary.faults.host_sync import HostSync, no_host_sync
 
 from factories import paged_layout, prefill_of, random_step, step_to
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SYNCING_METHODS = ["item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__"]
-SYNCING_FUNCTIONS = ["nonzero", "masked_select", "unique", "tensor"]
-
-
-class HostSync(AssertionError):
-    pass
-
-
-def _ours(depth: int = 2) -> str | None:
-    f = sys._getframe(depth)
-    name = f.f_code.co_filename
-    return f"{name}:{f.f_lineno}" if "/kvcanary/" in name and "/tests/" not in name else None
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    saved = []
-
-    def guard(owner, name):
-        orig = getattr(owner, name)
-        saved.append((owner, name, orig))
-
-        def wrapper(*args, **kwargs):
-            where = _ours()
-            if where:
-                raise HostSync(f"{owner.__name__}.{name} called at {where}")
-            return orig(*args, **kwargs)
-
-        setattr(owner, name, wrapper)
-
-    def getitem(self, idx):
-        where = _ours()
-        masks = idx if isinstance(idx, tuple) else (idx,)
-        if where and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in masks):
-            raise HostSync(f"boolean-mask indexing at {where}")
-        return orig_getitem(self, idx)
-
-    orig_getitem = torch.Tensor.__getitem__
-    for m in SYNCING_METHODS:
-        guard(torch.Tensor, m)
-    for fn in SYNCING_FUNCTIONS:
-        guard(torch, fn)
-    torch.Tensor.__getitem__ = getitem
-    try:
-        yield
-    finally:
-        torch.Tensor.__getitem__ = orig_getitem
-        for owner, name, orig in reversed(saved):
-            setattr(owner, name, orig)
 
 
 def _canary(layout, budget):

@@ -264,9 +264,9 @@ def test_the_device_rows_and_steps_equal_the_host_construction_without_a_host_sy
     build_step's torch construction field for field, and never read a device value on the host
     (test_no_host_sync's guard). Odd seeds point one row's first read block at a block another
     row writes in the same forward (a prefix-cache hit computed in this forward)."""
-    from kvcanary.engines.vllm.device_steps import device_rows, device_step
+    from kvcanary.engines.vllm.device_steps import device_rows, device_step, resolve
 
-    from test_no_host_sync import no_host_sync
+    from kvcanary.faults.host_sync import no_host_sync
 
     md, reqs, book, truth, rng = random_batch(seed)
     if seed % 2 and md.block_table.shape[0] > 1:
@@ -282,3 +282,6 @@ def test_the_device_rows_and_steps_equal_the_host_construction_without_a_host_sy
         assert got == host.rids
         y = build_step(md, host, BS, window, fused=False)
         assert_steps_equal(x, y)
+        # read back after the forward: the host path's rows, request for request
+        back = resolve(rows)
+        assert back.rids == host.rids and back.reqs == host.reqs and back.unknown_new == host.unknown_new

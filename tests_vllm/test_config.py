@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvcanary import CanaryConfig, ConfigError
-from kvcanary.engines.vllm import entry
+from kvcanary.engines.vllm import settings
 
 
 def ktc(extra=None, policy=None):
@@ -18,12 +18,12 @@ def ktc(extra=None, policy=None):
 def test_every_field_by_name_over_the_variables(monkeypatch):
     monkeypatch.setenv("KVCANARY_AUDIT_QUERIES", "9")
     monkeypatch.setenv("KVCANARY_SCRUB_SLOTS", "5")
-    cfg, store = entry.connector_config(ktc({"mode": "repair", "content_budget_bytes": 4096, "scrub_slots": "11",
+    cfg, store = settings.connector_config(ktc({"mode": "repair", "content_budget_bytes": 4096, "scrub_slots": "11",
                                              "stamp_store": "/tmp/stamps"}, "recompute"))
     assert (cfg.mode, cfg.content_budget_bytes, cfg.scrub_slots, cfg.audit_queries) == ("repair", 4096, 11, 9)
     assert store == "/tmp/stamps"
     monkeypatch.setenv("KVCANARY_STAMP_STORE", "/tmp/env-stamps")
-    assert entry.connector_config(ktc())[1] == "/tmp/env-stamps"
+    assert settings.connector_config(ktc())[1] == "/tmp/env-stamps"
 
 
 @pytest.mark.parametrize("extra, msg", [
@@ -36,22 +36,22 @@ def test_every_field_by_name_over_the_variables(monkeypatch):
 ])
 def test_an_unknown_key_or_a_bad_value_is_refused_by_name(extra, msg):
     with pytest.raises(ConfigError, match=msg):
-        entry.connector_config(ktc(extra))
+        settings.connector_config(ktc(extra))
 
 
 def test_repair_still_needs_the_recompute_policy():
     with pytest.raises(ConfigError, match="mode 'repair' needs kv_load_failure_policy 'recompute'"):
-        entry.connector_config(ktc({"mode": "repair"}))
+        settings.connector_config(ktc({"mode": "repair"}))
 
 
 def test_metrics_no_scrape_would_show_are_said_once(monkeypatch, caplog):
-    monkeypatch.setattr(entry, "_warned_unscraped", [])
+    monkeypatch.setattr(settings, "_warned_unscraped", [])
     on = CanaryConfig(metrics=True)
-    assert not entry._warn_unscraped(CanaryConfig(), {})
-    assert not entry._warn_unscraped(on, {"PROMETHEUS_MULTIPROC_DIR": "/tmp/prom"})
-    assert not entry._warn_unscraped(CanaryConfig(metrics=True, metrics_port=9464), {})
+    assert not settings.warn_unscraped(CanaryConfig(), {})
+    assert not settings.warn_unscraped(on, {"PROMETHEUS_MULTIPROC_DIR": "/tmp/prom"})
+    assert not settings.warn_unscraped(CanaryConfig(metrics=True, metrics_port=9464), {})
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
-        assert entry._warn_unscraped(on, {})
-        assert not entry._warn_unscraped(on, {})  # once per process
+        assert settings.warn_unscraped(on, {})
+        assert not settings.warn_unscraped(on, {})  # once per process
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "PROMETHEUS_MULTIPROC_DIR" in said[0] and "KVCANARY_METRICS_PORT" in said[0]

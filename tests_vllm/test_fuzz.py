@@ -22,6 +22,11 @@ CROSSINGS = [
     # boundary, chunked prefill, every read byte verified, the read audit on every forward
     FuzzConfig(arch=REAL, dtype="bfloat16", head_dim=64, block_size=32, prefix=48, max_batched=48, requests=8,
                max_tokens=32, every_byte=True, audit=64, seed=21),
+    # the GPU path's steps (built on the device, nothing read back before the forward, under the
+    # host-sync guard): sliding + full groups, ngram drafts rolled back, chunked prefill, a pool that
+    # preempts
+    FuzzConfig(arch="gpt_oss", block_size=32, prefix=40, max_batched=48, num_blocks=pool_for_preemption("gpt_oss", 32, 256),
+               requests=8, max_seqs=8, max_tokens=96, spec=3, device_steps=True, seed=13),
 ]
 # (tensor parallel 2 runs in test_vllm.py with a fault in each rank, and across the features in the long
 # draw of bench/vllm_fuzz.py: its three engine starts of two workers each would double this file's time)

@@ -32,9 +32,15 @@ CLEAN = [
 ]
 
 
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    """The default run without the canary (shared by the tests that compare with it)."""
+    return engine(tiny_llama)
+
+
 @pytest.mark.parametrize("cfg", CLEAN, ids=["shared"])
-def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, cfg):
-    base = engine(tiny_llama, **cfg)
+def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, plain, cfg):
+    base = plain if not cfg else engine(tiny_llama, **cfg)
     run = engine(tiny_llama, canary=True, full_scrub=True, **cfg)
     st = run["stats"]
     assert run["violations"] == [] and st["internal_errors"] == 0
@@ -53,11 +59,30 @@ def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, cfg):
         assert st["slots_verified_after_write"] > 0
 
 
-def test_the_canarys_own_failures_never_reach_the_engine_in_log_mode(tiny_llama):
+def test_steps_built_on_the_device_read_nothing_back_verify_clean_and_find_a_flipped_byte(tiny_llama, plain):
+    """KVCANARY_DEVICE_STEPS=1: the GPU path on vLLM's CPU engine. Every forward's steps are built
+    from the attention metadata with device ops (kvcanary.engines.vllm.device_steps) while the
+    connector's before-forward runs under the host-sync guard (a device value read back by the
+    engine adapters' code raises, which raise mode turns into a failed run): the run verifies clean
+    with the plain run's tokens; a flipped cached byte is found in the forward it lands in."""
+    env = {"KVCANARY_DEVICE_STEPS": "1", "KVCANARY_MODE": "raise"}
+    run = engine(tiny_llama, canary=True, host_sync_guard=True, env=env)
+    st = run["stats"]
+    assert run["violations"] == [] and st["internal_errors"] == 0
+    assert st["device_forwards"] == st["forwards"] > 0 and st["slots_verified"] > 0
+    assert sorted(run["tokens"].values()) == sorted(plain["tokens"].values())
+    hit = engine(tiny_llama, canary=True, host_sync_guard=True, fault="flip_v", env={**env, "KVCANARY_MODE": "log"})
+    at = hit["fault"]["step"]
+    found = [v for v in hit["violations"] if "CONTENT" in v["checks"]]
+    assert found and found[0]["step"] == at and hit["stats"]["internal_errors"] == 0, hit["violations"][:3]
+    assert not [v for v in hit["violations"] if v["step"] < at]
+
+
+def test_the_canarys_own_failures_never_reach_the_engine_in_log_mode(tiny_llama, plain):
     """From the third forward on, the per-layer checks and the position check raise inside the worker:
     the engine generates what it generates without the canary, the failures are counted, nothing is
     reported."""
-    base = engine(tiny_llama)
+    base = plain
     run = engine(tiny_llama, canary=True, fault="canary_fails")
     st = run["stats"]
     assert run["fault"]["failing"]

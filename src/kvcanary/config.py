@@ -79,6 +79,10 @@ class CanaryConfig:
         |V| it reads, below 2 (no wrong weighting of V rows errs by 2 or more, so 2 would switch the
         audit off: ``audit_queries=0`` does that); ``None``: derived from the compute dtype and the
         query's logit size (:data:`kvcanary.audit.reference.TOLERANCE`)
+    device_steps : the vLLM connector builds each forward's steps from the attention metadata on
+        the pool's device and reads nothing back before the forward
+        (:mod:`kvcanary.engines.vllm.device_steps`; request bookkeeping waits until after it);
+        ``None``: on a pool off the CPU; ``True`` also on a CPU pool (the GPU path, run on a CPU)
     """
 
     mode: Mode = "log"
@@ -99,6 +103,7 @@ class CanaryConfig:
     audit_budget: float | None = 0.01
     audit_every: int = 1
     audit_tolerance: float | None = None
+    device_steps: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -161,6 +166,8 @@ class CanaryConfig:
                 f"off without saying so; to turn it off, set audit_queries=0 (KVCANARY_AUDIT_QUERIES=0)")
         if self.validate is not None and not isinstance(self.validate, bool):
             raise ConfigError(f"validate: expected True, False or None, got {_shown(self.validate)}")
+        if self.device_steps is not None and not isinstance(self.device_steps, bool):
+            raise ConfigError(f"device_steps: expected True, False or None, got {_shown(self.device_steps)}")
 
     def patrol_for(self, device_type: str) -> int:
         """The patrol scrub's bytes per forward on a device of this type (0: no patrol)."""
@@ -302,6 +309,10 @@ def _bool(s: str) -> bool:
     raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off, got {s!r}")
 
 
+def _auto_bool(s: str) -> bool | None:
+    return None if s.strip().lower() in ("", "auto", "none") else _bool(s)
+
+
 ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_MODE": ("mode", str),
     "KVCANARY_CONTENT": ("content", str),
@@ -321,6 +332,7 @@ ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "KVCANARY_AUDIT_BUDGET": ("audit_budget", _share),
     "KVCANARY_AUDIT_EVERY": ("audit_every", _int),
     "KVCANARY_AUDIT_TOLERANCE": ("audit_tolerance", _tolerance),
+    "KVCANARY_DEVICE_STEPS": ("device_steps", _auto_bool),
 }
 
 # KVCANARY_* variables read elsewhere, which set no CanaryConfig field

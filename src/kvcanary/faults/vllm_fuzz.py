@@ -56,6 +56,9 @@ class FuzzConfig:
     abort: int = 0  # abort every other early request after this many steps (0: none)
     every_byte: bool = False  # content budget none: every read byte verified
     audit: int = 0  # the read audit on every forward with this many queries (0: the default audit)
+    # steps built on the device with nothing read back before the forward (the GPU path, on a CPU),
+    # the connector's before-forward under the host-sync guard where the engine runs in-process
+    device_steps: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,7 +78,8 @@ class FuzzConfig:
         parts += ["tp2"] if self.tensor_parallel > 1 else []
         parts += [f"abort{self.abort}"] if self.abort else []
         parts += [f"max{self.max_tokens}"] + (["every-byte"] if self.every_byte else [])
-        parts += ([f"audit{self.audit}"] if self.audit else []) + [f"s{self.seed}"]
+        parts += ([f"audit{self.audit}"] if self.audit else []) + (["device"] if self.device_steps else [])
+        parts += [f"s{self.seed}"]
         return "-".join(parts)
 
     def claims(self) -> list[str]:
@@ -104,7 +108,8 @@ class FuzzConfig:
             "max_seqs": self.max_seqs, "requests": self.requests, "max_tokens": self.max_tokens, "n": self.n,
             "temperature": 0.8 if self.n > 1 else 0.0, "spec": self.spec, "tensor_parallel": self.tensor_parallel,
             "abort": self.abort, "seed": self.seed, "max_model_len": self.max_model_len,
-            "prompts": "repetitive" if self.spec else "text" if self.arch == REAL else "shared"}
+            "prompts": "repetitive" if self.spec else "text" if self.arch == REAL else "shared",
+            "host_sync_guard": self.device_steps}
         return cfg
 
     @property
@@ -142,7 +147,8 @@ def draw(rng: random.Random, seed: int, archs: tuple[str, ...] = ARCHS) -> FuzzC
         cfg = dataclasses.replace(long, num_blocks=pool_for_preemption(arch, long.block_size, long.max_model_len))
     if cfg.max_batched < 2048:
         cfg = dataclasses.replace(cfg, max_batched=max(cfg.max_batched, cfg.spec + 1 + 16))
-    return cfg
+    # drawn apart, so that the other features of a seed's crossings stay what they were before it existed
+    return dataclasses.replace(cfg, device_steps=random.Random(f"device-{seed}").random() < 0.3)
 
 
 def model_path(cfg: FuzzConfig, root: str) -> str:
@@ -176,6 +182,8 @@ def _env(cfg: FuzzConfig, canary: bool, scratch: str) -> dict[str, str | None]:
         if cfg.audit:
             env.update({"KVCANARY_AUDIT_QUERIES": str(cfg.audit), "KVCANARY_AUDIT_EVERY": "1",
                         "KVCANARY_AUDIT_BUDGET": "none"})
+        if cfg.device_steps:
+            env["KVCANARY_DEVICE_STEPS"] = "1"
         if cfg.tensor_parallel > 1:  # the workers' counters come back through the metrics directory
             prom = os.path.join(scratch, "prom")
             os.makedirs(prom, exist_ok=True)
@@ -229,6 +237,9 @@ def judge(cfg: FuzzConfig, runs: dict[str, Any], logged: list[dict[str, Any]]) -
         failures.append(f"{out['internal_errors']} internal errors")
     if "error" not in on and not out["slots_verified"] and cfg.max_tokens > 1:
         failures.append("the canary verified nothing")
+    out["device_forwards"] = st.get("device_forwards", 0)
+    if "error" not in on and cfg.device_steps and out["device_forwards"] < out["forwards"]:
+        failures.append(f"device steps: {out['device_forwards']} of {out['forwards']} forwards built on the device")
     if "error" not in on and "error" not in off:
         failures += _same_engine(cfg, runs)
         failures += _claims(cfg, on)

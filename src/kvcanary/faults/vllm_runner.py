@@ -136,6 +136,26 @@ def prompts(n: int, seed: int, prefix: int = 64, vocab: int = 512, shape: str = 
     return [rng.choice(prefixes) + draw(rng.randint(3, 30)) for _ in range(n)]
 
 
+def guard_before_forward() -> None:
+    """Run the connector's before-forward (the steps built and verified before the forward starts)
+    under :func:`kvcanary.faults.host_sync.no_host_sync`, scoped to the engine adapters' code (the
+    token book's buffer is host memory by construction; its device copies are written, never read):
+    a device value they read back there is a :class:`~kvcanary.faults.host_sync.HostSync`, counted as
+    an internal error (raised in ``raise`` mode). With ``device_steps`` on a CPU pool this proves the
+    GPU path reads nothing back; the canary's own ops are proven so on the Triton path by
+    ``tests/test_no_host_sync.py``."""
+    from kvcanary.engines.vllm.entry import KvCanaryConnector
+    from kvcanary.faults.host_sync import no_host_sync
+
+    orig = KvCanaryConnector.before_forward
+
+    def before_forward(self: Any, meta: Any) -> None:
+        with no_host_sync(scope=("/kvcanary/engines/",), exempt=("/kvcanary/engines/token_book.py",)):
+            orig(self, meta)
+
+    KvCanaryConnector.before_forward = before_forward  # type: ignore[method-assign]
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one engine in this process (once per process) and return what it did.
 
@@ -153,7 +173,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ``block_size``, ``max_batched``, ``max_seqs``, ``max_model_len``, ``dtype``, ``tensor_parallel``,
     ``prefix_caching``; ``abort`` (a step count: half the requests start, every other one of them is
     aborted after that many steps, then the rest join); ``full_scrub`` (after the run, every slot's
-    bytes compared with its stamp: :func:`full_scrub`, returned as ``full_scrub``).
+    bytes compared with its stamp: :func:`full_scrub`, returned as ``full_scrub``);
+    ``host_sync_guard`` (the connector's before-forward under :func:`guard_before_forward`).
 
     Returns ``tokens`` (request id, with ``/j`` for the j-th of ``n`` samples -> generated ids),
     ``finish`` (the same keys -> vLLM's finish reason: ``length``, ``stop``, ``error``...),
@@ -187,6 +208,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     events = vllm_events.watch() if events_file is None else {}
     seed = cfg.get("seed", 0)
     fault = faults_vllm.install(cfg["fault"], cfg.get("fault_at", 3), seed) if cfg.get("fault") else None
+    if cfg.get("host_sync_guard") and kvc is not None:
+        guard_before_forward()
     llm = _engine(cfg, kvc)
     sp = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=cfg.get("temperature", 0.0),
                         n=cfg.get("n", 1), ignore_eos=True)

@@ -23,7 +23,7 @@ import torch
 
 from kvcanary.engines.block_table import FAR, read_starts, written_from_blocks
 from kvcanary.engines.token_book import TokenBook
-from kvcanary.engines.vllm.steps import ReqStep
+from kvcanary.engines.vllm.steps import ReqStep, Rows
 from kvcanary.step import Step
 
 
@@ -110,3 +110,12 @@ def device_step(md: Any, rows: DeviceRows, block_size: int, window: int | None) 
     landed = torch.where(rows.landed >= 0, rows.landed, cached)
     step.written_from = torch.minimum(written_from_blocks(step), landed)
     return step
+
+
+def resolve(rows: DeviceRows) -> Rows:
+    """The rows' requests read back on the host, once the forward ran: the :class:`Rows` the host
+    path matches before the forward (a draft the scheduler had not filled in makes ``unknown_new``)."""
+    per = [rows.order[k] if k >= 0 else None for k in rows.req.tolist()]
+    rids = [x.req_id if x is not None else "" for x in per]
+    unknown = any(d < 0 for x in per if x is not None for d in x.drafts)
+    return Rows(per, rids, rows.valid, rows.record, rows.record_rows, rows.new_tokens, unknown)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,14 +40,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcanary.canary import Canary
-from kvcanary.config import CanaryConfig
 from kvcanary.engines.base import Adapter, hook, named
 from kvcanary.engines.vllm import backends
 from kvcanary.engines.vllm import heal as vllm_heal
 from kvcanary.engines.vllm import positions
 from kvcanary.engines.vllm.audit import VllmAudit
+from kvcanary.engines.vllm.device_steps import DeviceRows, device_rows, device_step, resolve
 from kvcanary.engines.vllm.groups import GroupPlan, plan_groups, single_group
 from kvcanary.engines.vllm.scheduler import CanaryMeta, SchedulerSide
+from kvcanary.engines.vllm.settings import connector_config, pp_rank, rank
 from kvcanary.engines.vllm.steps import (ReqStep, Rows, block_slots, build_step, match_rows, rolled_back,
                                          written_by)
 from kvcanary.engines.vllm.transfer import TransferSide
@@ -60,7 +60,6 @@ from kvcanary.violations import Site, Violation
 
 log = logging.getLogger("kvcanary")
 NAME = "KvCanaryConnector"
-EXTRA_KEYS = ("stamp_store",)  # kv_connector_extra_config keys the connector reads itself (no CanaryConfig field)
 __all__ = ["KvCanaryConnector", "CanaryMeta", "ReqStep", "NAME"]
 
 
@@ -99,12 +98,14 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
                         "block only with one; requests that read corrupted KV are failed one step later instead%s",
                         len(self.plans or []), " (mode 'repair' cannot recompute them)" if config.mode == "repair" else "")
         self.stamp_store = stamp_store
-        self.rank = _rank()
+        self.rank = rank()
         SchedulerSide.__init__(self)
         # worker side
         self.groups: list[_Group] = []
         self.forwards = 0
         self.rows: Rows | None = None  # this forward's rows, matched to their requests
+        self.drows: DeviceRows | None = None  # the device path: this forward's rows, not read back yet
+        self.device_forwards = 0  # forwards whose steps were built on the device
         self._history: dict[int, list[str]] = {}  # forward -> its rows' request ids (the diagnosis' writers)
         self.seen: set[str] = set()  # requests whose first read of cached KV was verified
         self.meta = CanaryMeta()  # this forward's metadata from the scheduler side
@@ -144,7 +145,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         return rids[row] or None if 0 <= row < len(rids) else None
 
     def metric_labels(self) -> dict[str, str]:
-        return {"engine": self.engine, "tp_rank": str(self.rank), "pp_rank": str(_pp_rank()),
+        return {"engine": self.engine, "tp_rank": str(self.rank), "pp_rank": str(pp_rank()),
                 "dp_rank": str(getattr(self._vllm_config.parallel_config, "data_parallel_rank", 0))}
 
     @hook("register_kv_caches")
@@ -255,19 +256,58 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
                 dev = g.canary.device
                 g.canary.import_stamps(block_slots(dst, bs, dev), g.canary.export_stamps(block_slots(src, bs, dev)))
         mds = {g.plan.index: self.metadata(by_layer, g.plan.index) for g in self.groups} if by_layer else {}
-        if mds.get(self.primary) is None:
+        md = mds.get(self.primary)
+        if md is None:
             return  # a dummy forward (profiling, warm-up): nothing to check
-        rows = match_rows(mds[self.primary], meta.reqs, self.book)
-        self.rows, self.meta = rows, meta
+        live = [g for g in self.groups if mds.get(g.plan.index) is not None]
+        self.meta = meta
+        if self._on_device(md):
+            self._before_on_device(mds, live)
+            return
+        rows = match_rows(md, meta.reqs, self.book)
+        self.rows = rows
+        for g in live:
+            g.step = build_step(mds[g.plan.index], rows, g.plan.block_size, g.plan.window)
+        self._bookkeep(rows, live)
+        self._verify_first_reads(live, rows)
+        for g in live:
+            assert g.step is not None
+            g.canary.before_forward(g.step)
+        self.audit.begin(live, rows, self.forwards)
+
+    def _on_device(self, md: Any) -> bool:
+        """Whether this forward's steps are built on the device (``device_steps``; by default where
+        the metadata is not on the CPU)."""
+        on = self.config.device_steps
+        return md.query_start_loc.device.type != "cpu" if on is None else on
+
+    def _before_on_device(self, mds: dict[int, Any], live: list[_Group]) -> None:
+        """The device path (:mod:`kvcanary.engines.vllm.device_steps`): each group's step built from
+        its metadata on the device and verified, with no value read back before the forward. What
+        needs each row's request on the host (:meth:`_bookkeep`, first reads) runs after the
+        forward, before the stamps (:meth:`after_forward`). The write check and read audit plan
+        from host rows, so they do not run here (they wrap vLLM's CPU attention only)."""
+        rows = device_rows(mds[self.primary], self.meta.reqs, self.book)
+        self.rows, self.drows = None, rows
+        self.audit.folds = {}  # no content folded inside the layers: the stamps fingerprint every source
+        for g in live:
+            g.step = device_step(mds[g.plan.index], rows, g.plan.block_size, g.plan.window)
+            g.canary.before_forward(g.step)
+        self.device_forwards += 1
+        if self.device_forwards == 1 and self.audit.groups:
+            log.warning("kvcanary: steps are built on the device (device_steps); the write check and read audit, "
+                        "which plan from host rows before the forward, do not run on its forwards")
+
+    def _bookkeep(self, rows: Rows, live: list[_Group]) -> None:
+        """What needs each row's request on the host, before the stamps: the harm count's rows, the
+        rows' history (the diagnosis' writers), and the slots to release: rolled-back positions, and
+        blocks another KV cache group writes now."""
         # the tokens each row samples: its last sampled token and its drafts, where it reaches the end
         self.harm.forward(self.groups[0].canary.step_id, {
             x.req_id: 1 + len(x.drafts) for x in rows.reqs
             if x is not None and x.computed + x.scheduled - len(x.drafts) >= self.book.have.get(x.req_id, 0)})
         self._history[self.forwards] = rows.rids
         self._history.pop(self.forwards - self.config.history, None)
-        live = [g for g in self.groups if mds.get(g.plan.index) is not None]
-        for g in live:
-            g.step = build_step(mds[g.plan.index], rows, g.plan.block_size, g.plan.window)
         if len(live) > 1:
             self._release_other_groups(live)
         for g in live:
@@ -276,11 +316,6 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
                 gone = written_by(slots, g.canary.writers, self._history, rows.rids[i])
                 if gone.numel():
                     g.canary.release(gone)
-        self._verify_first_reads(live, rows)
-        for g in live:
-            assert g.step is not None
-            g.canary.before_forward(g.step)
-        self.audit.begin(live, rows, self.forwards)
 
     def _release_other_groups(self, live: list[_Group]) -> None:
         """Block ids are shared by every KV cache group and the groups' layers overlay one memory: a
@@ -315,19 +350,26 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
     def after_forward(self) -> None:
         """Stamp every group's written slots, verify the reads of this forward's own writes, run the
         patrol's share, then report and heal what the forward's checks found."""
+        live = [g for g in self.groups if g.step is not None]
+        drows, self.drows = self.drows, None
+        if drows is not None:  # the device path: the rows' requests, read back now the forward ran
+            self.rows = resolve(drows)
+            self._bookkeep(self.rows, live)
         assert self.rows is not None
         rows = self.rows
         self.audit.finish()  # the audited queries every layer kept, in one call
         found: list[Violation] = []
-        for g in self.groups:
-            if g.step is None:
-                continue
+        for g in live:
+            assert g.step is not None
             # with this forward's share of the patrol over cold cache
             g.canary.after_forward(g.step, patrol=not rows.unknown_new, folded=self.audit.folds.get(g.name))
             if rows.unknown_new:  # a draft the scheduler had not filled in: its slot's stamp is unknown
                 s = g.step.new_slots.long()
                 g.canary.forget(s[(s >= 0) & (g.step.new_tokens < 0)])
                 g.canary.patrol()
+        if drows is not None:  # a request's first read of cached KV, byte for byte (the same bytes: the forward
+            self._verify_first_reads(live, rows)  # wrote none of them, and the slots it wrote are stamped now)
+        for g in live:
             group = g.name if len(self.groups) > 1 else None
             found += [dataclasses.replace(self._first_reader(g.name, v) if v.site == Site.FIRST_READ
                                           else named(v, rows.rids), group=group) for v in g.canary.drain()]
@@ -387,6 +429,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
     def stats(self) -> dict[str, int]:
         out = Adapter.stats(self)
         out["forwards"] = self.forwards
+        out["device_forwards"] = self.device_forwards
         plans = self.plans or []
         out["kv_cache_groups"] = len(plans) or len(self.groups)
         out["kv_cache_groups_covered"] = len(self.groups)
@@ -399,55 +442,5 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         self.audit.end()
         for g in self.groups:
             g.step = None
-        self.rows = None
+        self.rows = self.drows = None
         Adapter.recover(self)
-
-
-def _pp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_pp_group
-
-        return int(get_pp_group().rank_in_group)
-    except Exception:  # not initialised (scheduler side)
-        return 0
-
-
-def _rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # not initialised (scheduler side)
-        return int(os.environ.get("RANK", 0))
-
-
-def connector_config(kv_transfer_config: Any) -> tuple[CanaryConfig, str | None]:
-    """The canary's configuration and stamp directory from vLLM's ``--kv-transfer-config``: every
-    :class:`CanaryConfig` field may stand in its ``kv_connector_extra_config`` by name (over the
-    ``KVCANARY_*`` variables, validated as they are; an unknown key is refused with the closest
-    name), beside ``stamp_store`` (else ``KVCANARY_STAMP_STORE``) and the policy a healing mode needs."""
-    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
-    config = CanaryConfig.from_mapping(extra, CanaryConfig.from_env(CanaryConfig(mode="log")),
-                                       where="kv_connector_extra_config", also=EXTRA_KEYS)
-    vllm_heal.check_policy(config.mode, kv_transfer_config)
-    _warn_unscraped(config)
-    return config, extra.get("stamp_store") or os.environ.get("KVCANARY_STAMP_STORE")
-
-
-_warned_unscraped: list[bool] = []
-
-
-def _warn_unscraped(config: CanaryConfig, environ: Any = None) -> bool:
-    """Say once per process when ``metrics`` is on but nothing would export it: vLLM runs the
-    canary in its engine-core and worker processes, whose registries the API server's ``/metrics``
-    shows only through ``PROMETHEUS_MULTIPROC_DIR``. Whether it said so now."""
-    env = os.environ if environ is None else environ
-    if (not config.metrics or config.metrics_port is not None or env.get("PROMETHEUS_MULTIPROC_DIR")
-            or _warned_unscraped):
-        return False
-    _warned_unscraped.append(True)
-    log.warning("kvcanary: metrics are on (KVCANARY_METRICS), but no scrape will show them: the canary runs in "
-                "vLLM's engine-core and worker processes, and the API server's /metrics collects other processes' "
-                "metrics only through PROMETHEUS_MULTIPROC_DIR; set PROMETHEUS_MULTIPROC_DIR to a directory (as "
-                "for vLLM's own multi-process metrics), or KVCANARY_METRICS_PORT for an exporter per process")
-    return True

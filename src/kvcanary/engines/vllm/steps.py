@@ -190,6 +190,10 @@ def written_by(slots: torch.Tensor, writers: torch.Tensor, history: dict[int, li
 
 
 def block_slots(blocks: list[int], block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Every slot of ``blocks``, int64 ``[len(blocks) * block_size]`` on ``device`` (the pool's)."""
-    b = torch.tensor(blocks, dtype=torch.int64)
-    return (b[:, None] * block_size + torch.arange(block_size)).reshape(-1).to(device)
+    """Every slot of ``blocks``, int64 ``[len(blocks) * block_size]`` on ``device`` (the pool's),
+    sent without the host waiting."""
+    b = np.asarray(blocks, dtype=np.int64).reshape(-1, 1)
+    slots = torch.from_numpy((b * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1))
+    if torch.device(device).type == "cpu":
+        return slots
+    return slots.pin_memory().to(device, non_blocking=True)  # no wait: a step's blocks, on the way to the pool
