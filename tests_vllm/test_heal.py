@@ -37,8 +37,16 @@ def short(rid):
     return rid.split("-")[0]  # vLLM's offline requests are "<index>-<random suffix>" inside the engine
 
 
-def test_repair_recomputes_the_readers_of_a_flipped_shared_block(tiny_llama, clean):
-    run = healed(tiny_llama, "repair", "flip_v")
+@pytest.mark.parametrize("device", [False, True], ids=["host_steps", "device_steps"])
+def test_repair_recomputes_the_readers_of_a_flipped_shared_block(tiny_llama, clean, device):
+    """Also with the steps built on the device (the GPU path, its before-forward under the host-sync
+    guard): healing takes the same path once the rows are read back after the forward."""
+    if device:
+        run = healed(tiny_llama, "repair", "flip_v", {"KVCANARY_DEVICE_STEPS": "1"}, {"host_sync_guard": True})
+        assert run["stats"]["device_forwards"] == run["stats"]["forwards"] > 0
+        assert run["stats"]["internal_errors"] == 0
+    else:
+        run = healed(tiny_llama, "repair", "flip_v")
     st = run["stats"]
     assert run["violations"] and st["repairs"] >= 2 and st["requests_failed"] == 0
     assert st["harmful_tokens"] == 0  # every read byte verified: found before any forward sampled from it
