@@ -1,6 +1,8 @@
 """Generation throughput of vLLM's CPU build with the canary off and on, in the same run.
 
-Modes: ``off`` (no connector); ``on`` (the connector, default content budget:
+Modes: ``off`` (no connector); ``null`` (a connector that does nothing,
+:mod:`kvcanary.faults.null_connector`: what vLLM's connector path costs by itself, so ``on`` over
+``null`` is the canary's share); ``on`` (the connector, default content budget:
 KVCANARY_CONTENT_BUDGET_BYTES unset); ``on_noaudit`` (as ``on``, without the write check and read
 audit: KVCANARY_WRITE_CHECK=0 KVCANARY_AUDIT_QUERIES=0, so ``x_off`` of ``on`` minus that of
 ``on_noaudit`` is the audit's added wall time); ``on_before`` (the write check and read audit as
@@ -51,6 +53,7 @@ from kvcanary.faults.vllm_runner import run_in_subprocess, save_tiny_llama
 # mode -> KVCANARY_* variables of its run (None: no canary); every other KVCANARY_* variable is unset
 MODES: dict[str, dict[str, str] | None] = {
     "off": None,
+    "null": {},  # a connector that does nothing (kvcanary.faults.null_connector): vLLM's connector path alone
     "on": {},
     "on_noaudit": {"KVCANARY_WRITE_CHECK": "0", "KVCANARY_AUDIT_QUERIES": "0"},
     "on_before": {"KVCANARY_AUDIT_EVERY": "4", "KVCANARY_AUDIT_QUERIES": "4", "KVCANARY_AUDIT_BUDGET": "none"},
@@ -68,6 +71,10 @@ def run_mode(mode: str, model: str, args: argparse.Namespace, extra: dict[str, A
         env.update(OMP_PROC_BIND="true", OMP_PLACES="cores")
     cfg = {"model": model, "canary": MODES[mode] is not None, "requests": args.requests,
            "max_tokens": args.max_tokens, "max_seqs": 16, "num_blocks": 256, "warmup": 4, **extra}
+    if mode == "null":
+        from kvcanary.faults.null_connector import CONFIG
+
+        cfg["kv_transfer_config"] = CONFIG
     return run_in_subprocess(cfg, env=env, timeout=1200)
 
 

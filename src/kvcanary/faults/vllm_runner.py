@@ -325,13 +325,13 @@ def full_scrub(conn: Any) -> dict[str, Any]:
 
 def process_canary() -> Any:
     """This process's KvCanaryConnector (also when listed under a MultiConnector); None when the engine's
-    worker is another process."""
+    worker is another process, or the connector is another one (:mod:`kvcanary.faults.null_connector`)."""
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
         return None
     conn = get_kv_transfer_group()
-    return next(c for c in getattr(conn, "_connectors", [conn]) if hasattr(c, "violations"))
+    return next((c for c in getattr(conn, "_connectors", [conn]) if hasattr(c, "violations")), None)
 
 
 def run_in_subprocess(cfg: dict[str, Any], env: dict[str, str | None] | None = None,

@@ -159,7 +159,8 @@ class SglangCanary(Adapter):
         self.step = step
         self._history[self.forwards] = self.rids
         self._history.pop(self.forwards - self.config.history, None)
-        self.verify_new_readers({NAME: step}, self.rids, self.seen)
+        if c.device.type == "cpu":  # elsewhere after the forward (where reading positions back waits for nothing)
+            self.verify_new_readers({NAME: step}, self.rids, self.seen)
         c.before_forward(step)
         if self.audit is not None:
             self.audit.begin(step, *host_counts(fb), self.rids, self.forwards)
@@ -183,6 +184,8 @@ class SglangCanary(Adapter):
         if audit is not None:
             audit.finish()
         c.after_forward(step, patrol=True)
+        if c.device.type != "cpu":  # a request's first read of cached KV, byte for byte: the same bytes (the
+            self.verify_new_readers({NAME: step}, self.rids, self.seen)  # forward wrote none of them)
         raw = c.drain() + (audit.drain() if audit is not None else [])
         if audit is not None:
             audit.end()
