@@ -7,7 +7,8 @@ KVCANARY_CONTENT_BUDGET_BYTES unset); ``on_noaudit`` (as ``on``, without the wri
 audit: KVCANARY_WRITE_CHECK=0 KVCANARY_AUDIT_QUERIES=0, so ``x_off`` of ``on`` minus that of
 ``on_noaudit`` is the audit's added wall time); ``on_before`` (the write check and read audit as
 they were before they ran on every forward: every fourth forward, 4 queries, no time budget); ``on_full`` (every read byte verified:
-KVCANARY_CONTENT_BUDGET_BYTES=none); ``on_meta`` (metadata only: KVCANARY_CONTENT=none). ``--modes``
+KVCANARY_CONTENT_BUDGET_BYTES=none); ``on_meta`` (metadata only: KVCANARY_CONTENT=none); ``on_noscan``
+(no content window and no patrol: KVCANARY_CONTENT_BUDGET_BYTES=0 KVCANARY_PATROL_BUDGET_BYTES=0). ``--modes``
 picks some (``off`` always runs). Every round runs each mode once, in that order in even rounds and
 the reverse in odd ones (so a machine slowing down or speeding up over the bench weighs on every mode
 alike), over ``--rounds`` rounds; each run is
@@ -59,6 +60,8 @@ MODES: dict[str, dict[str, str] | None] = {
     "on_before": {"KVCANARY_AUDIT_EVERY": "4", "KVCANARY_AUDIT_QUERIES": "4", "KVCANARY_AUDIT_BUDGET": "none"},
     "on_full": {"KVCANARY_CONTENT_BUDGET_BYTES": "none"},
     "on_meta": {"KVCANARY_CONTENT": "none"},
+    # the stamps' fingerprints and the guard kept, no content window and no patrol (what reading cold cache costs)
+    "on_noscan": {"KVCANARY_CONTENT_BUDGET_BYTES": "0", "KVCANARY_PATROL_BUDGET_BYTES": "0"},
 }
 
 
