@@ -53,7 +53,6 @@ ENGINE = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph
 def workload(args: argparse.Namespace, where: str) -> tuple[str, dict[str, Any], list[list[int]], list[list[int]]]:
     """The model's path, its engine arguments, the timed prompts and the warm-up prompts."""
     if args.model == "tiny":
-        sys.path.insert(0, TESTS)
         from tiny_model import make_tiny_llama
 
         path = make_tiny_llama(os.path.join(where, "tiny-llama"))
@@ -79,7 +78,7 @@ def workload(args: argparse.Namespace, where: str) -> tuple[str, dict[str, Any],
 
 def run(mode: str, path: str, extra: dict[str, Any], prompts: list[list[int]], warm: list[list[int]],
         args: argparse.Namespace, where: str) -> dict[str, Any]:
-    import sglang as sgl
+    from engine_env import start
 
     control = os.path.join(where, f"control-{mode}-{time.monotonic_ns()}")
     os.makedirs(control)
@@ -88,19 +87,7 @@ def run(mode: str, path: str, extra: dict[str, Any], prompts: list[list[int]], w
         env.update(MODES[mode] or {})
         env.update({"KVCANARY_TEST_CONTROL": control, "KVCANARY_VIOLATIONS_LOG": os.path.join(control, "v.jsonl"),
                     "PYTHONPATH": os.path.join(TESTS, "control") + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    saved = {k: os.environ.get(k) for k in [*env, *[k for k in os.environ if k.startswith("KVCANARY_")]]}
-    for k in list(os.environ):
-        if k.startswith("KVCANARY_"):
-            del os.environ[k]
-    os.environ.update(env)
-    try:
-        eng = sgl.Engine(model_path=path, **ENGINE, **extra)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    eng = start(path, env, "KVCANARY_", **ENGINE, **extra)  # only this mode's KVCANARY_* variables
     params = {"temperature": 0, "max_new_tokens": args.max_tokens, "ignore_eos": True}
     try:
         eng.generate(input_ids=warm, sampling_params={**params, "max_new_tokens": 4})
@@ -149,6 +136,7 @@ def main() -> int:
         modes.insert(0, "off")
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     sys.path.insert(0, os.path.join(TESTS, "control"))  # spawned schedulers find plugins on this path
+    sys.path.insert(0, TESTS)  # engine_env, tiny_model
     where = tempfile.mkdtemp(prefix="kvcanary-sglang-cost-")
     path, extra, prompts, warm = workload(args, where)
     print(f"# sglang_cost: {args.model} ({path}), {len(prompts)} requests x {args.max_tokens} tokens, "

@@ -124,22 +124,13 @@ class Canary:
 def _canary_engine(model, where, plain):
     """An engine with kvcanary turned on the way a user turns it on (``KVCANARY_MODE=log`` in the
     environment), the tests' control plugin in its scheduler."""
-    import sglang as sgl
+    from engine_env import start
 
     plain.close()
     env = {"KVCANARY_MODE": "log", "KVCANARY_VIOLATIONS_LOG": os.path.join(where, "violations.jsonl"),
            "KVCANARY_TEST_CONTROL": where,
            "PYTHONPATH": os.path.join(HERE, "control") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        eng = sgl.Engine(model_path=model, **ENGINE_ARGS)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    eng = start(model, env, **ENGINE_ARGS)
     c = Canary(eng, where)
     # one request, so that the scheduler's first forward binds the canary to the pool (state.json)
     eng.generate(input_ids=[[5, 6, 7]], sampling_params={"temperature": 0, "max_new_tokens": 2})
