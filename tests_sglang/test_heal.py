@@ -110,3 +110,35 @@ def test_repair_gives_up_on_a_request_that_reads_corrupted_kv_again_and_again(ca
     assert st["stats"]["repairs"] - before["repairs"] == 2
     assert out["output_ids"] == clean[: len(out["output_ids"])]
     assert st["stats"]["internal_errors"] == before["internal_errors"]
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "repair"])
+def test_a_request_hurt_in_the_middle_of_its_chunked_prefill_is_healed(canary, mode):
+    """The fault strikes the first chunk of a prompt longer than the 64-token prefill chunk, while
+    the scheduler holds the request as its chunked request: it is failed, or retracted and computed
+    again to a clean run's output, and the engine goes on."""
+    rng = random.Random(f"chunked-{mode}")
+    prefix = [rng.randrange(3, 1000) for _ in range(40)]
+    victim = prefix + [rng.randrange(3, 1000) for _ in range(130)]
+    canary.engine.generate(input_ids=[prefix], sampling_params=G)  # the prefix is now in the radix cache
+    clean = canary.engine.generate(input_ids=[victim], sampling_params=G)[0]["output_ids"]
+    canary.engine.generate(input_ids=[[rng.randrange(3, 1000) for _ in range(600)]],
+                           sampling_params={**G, "max_new_tokens": 1})  # evicts the victim's own tail
+    before = canary.state()
+    n = len(before["injected"])
+    canary.command(mode=mode, fault={"kind": "flip", "prefix": prefix[:20], "position": 30, "half": "k"})
+    try:
+        out = canary.engine.generate(input_ids=[victim], sampling_params=G)[0]
+        st = canary.state()
+    finally:
+        canary.command(mode="log")
+    assert not st["errors"], st["errors"]
+    f = st["injected"][n]
+    assert f["rid"] == out["meta_info"]["id"]
+    if mode == "repair":
+        assert out["output_ids"] == clean and st["stats"]["repairs"] > before["stats"]["repairs"]
+    else:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    again = canary.engine.generate(input_ids=[victim], sampling_params=G)[0]
+    assert again["output_ids"] == clean
+    assert st["stats"]["internal_errors"] == before["stats"]["internal_errors"]

@@ -116,7 +116,8 @@ class Heal:
         outputs dropped, then retract (``repair``) or fail them, and evict poisoned slots from the
         radix cache; returns what ``process`` returned."""
         mine = [(req, *self.due.pop(req.rid)) for req in (batch.reqs or []) if req.rid in self.due]
-        mine = [(req, act, why) for req, act, why in mine if not req.finished()]
+        # a request finished, or being aborted by its client, ends as SGLang ends it
+        mine = [(req, act, why) for req, act, why in mine if not req.finished() and req.to_finish is None]
         if not mine:
             out = process()
             self.evict(sched.tree_cache)
