@@ -3,8 +3,8 @@
 
 After a forward (the model runner's hook), :meth:`Heal.forward` names the requests of the forward
 that read corrupted KV (each violation's request; for a record of no request, such as the patrol's
-or a guard's, every row whose table holds its slot; and every row that reads a slot still
-*poisoned*, see below) and decides for each:
+or a guard's, every row whose table holds its slot; and every row that reads a slot found with
+wrong bytes before, see below) and decides for each:
 
 - ``repair``: computed again. When the scheduler processes the forward's results
   (:meth:`Heal.settle`, around ``Scheduler.process_batch_result``), the request is retracted the
