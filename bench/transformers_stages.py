@@ -7,7 +7,8 @@ decode-heavy; ``--model real``: SmolLM2-135M-Instruct (:mod:`kvcanary.real_model
     python bench/transformers_stages.py [--model tiny|real] [--threads 1] [--runs 3] [--backend fused]
 
 A stage's time includes its callees (a canary hook includes its compiled call); the two hook totals
-are the canary's time. Each wrapped call adds about a microsecond of its own.
+are the canary's time. Each wrapped call adds about a microsecond of its own. ``KVCANARY_*`` variables
+set in the environment change the canary's configuration (the last line's ``config`` says which).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main() -> None:
         model = tiny_model(seed=0, layers=4, hidden=128)
         ps = prompts(16, 8, (1, 4))
         gen, cbc = cb_configs(max_new_tokens=96, num_blocks=256, max_batch_tokens=256)
-    cfg = CanaryConfig(mode="log", backend=ARGS.backend)
+    cfg = CanaryConfig.from_env(CanaryConfig(mode="log", backend=ARGS.backend))  # KVCANARY_* variables apply
     forwards = 0
     wall = 0.0
     for run in range(ARGS.runs + 1):  # the first run warms up
@@ -105,7 +106,8 @@ def main() -> None:
         print(f"{stage:48s} {spent[stage] / forwards * 1e6:8.1f} us/forward  {spent[stage] / total:6.1%} of the canary")
     print(json.dumps({"forwards": forwards, "canary_us_per_forward": round(total / forwards * 1e6, 1),
                       "canary_share_of_run": round(total / wall, 4), "forward_ms": round(1e3 * wall / forwards, 2),
-                      "threads": ARGS.threads, "backend": ARGS.backend, "model": ARGS.model}))
+                      "threads": ARGS.threads, "backend": ARGS.backend, "model": ARGS.model,
+                      "config": sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("KVCANARY_"))}))
 
 
 if __name__ == "__main__":

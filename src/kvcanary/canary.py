@@ -152,7 +152,7 @@ class Canary:
 
     @property
     def step_id(self) -> int:
-        return int(self.ring.counters[Counter.STEPS])
+        return self.ring.count(Counter.STEPS)
 
     @property
     def scrub_cursor(self) -> int:

@@ -194,6 +194,10 @@ class ViolationRing:
         self.drained = 0
         self.lost = 0
 
+    def count(self, counter: int) -> int:
+        """One counter's value (a CPU ring's through its numpy view; a device ring's is read back)."""
+        return int(self._host[counter] if self._host is not None else self.counters[counter])
+
     def append(self, rows: torch.Tensor) -> None:
         """Append int64 ``[n, NUM_FIELDS]`` rows (torch path; n is known on the host)."""
         append_rows(self.counters, self.rows, rows)

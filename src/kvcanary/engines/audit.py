@@ -64,6 +64,7 @@ class EngineAudit:
         self.spent = 0.0
         self._opened = 0.0  # when this forward's audit was planned
         self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
+        self._tokens: tuple[np.ndarray, torch.Tensor] | None = None  # 0 .. n-1 on the host and the device, grown
 
     # ---- planning a forward (host) ------------------------------------------------------------
 
@@ -76,9 +77,12 @@ class EngineAudit:
         self.write_tokens = self.write_index = None
         if not self.write_check or not total:
             return
-        toks = np.arange(total)
-        self.write_tokens = toks
-        self.write_index = to_device(device, [toks])[0]
+        have = self._tokens
+        if have is None or len(have[0]) < total or have[1].device != device:  # made again only to grow
+            toks = np.arange(max(total, 2 * len(have[0]) if have is not None else 0, 256))
+            have = self._tokens = (toks, to_device(device, [toks])[0])
+        self.write_tokens = have[0][:total]  # views, read only by the checks
+        self.write_index = have[1][:total]
 
     def sample(self, layers: Sequence[Hashable], lengths: np.ndarray, starts: np.ndarray, cached: np.ndarray,
                layer_id: Callable[[Any], int], group_of: Callable[[Any], str | None],

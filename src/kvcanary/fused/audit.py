@@ -170,34 +170,51 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
 
 
 @njit(inline="always", **JIT)
+def _check_write(c, ka, va, strides, step, t):  # type: ignore[no-untyped-def]
+    """Batch token ``t``'s write check in one layer (layer row ``c``, its computed K and V at ``ka`` and
+    ``va``): whether its K (bit 1) and V (bit 2) rows differ from the cache's at its slot, and the
+    first KV head that differs (0: none; a token without a slot: ``(0, 0)``)."""
+    s = rd(step, NS, t)
+    if s < 0:
+        return 0, 0
+    esz, nh, nd = c[L_ESIZE], c[L_HEADS], c[L_DIM]
+    kbs, vbs = c[L_K + D_BLOCK], c[L_V + D_BLOCK]
+    kb = c[L_K] + (s // kbs) * c[L_K + D_BLOCK_STRIDE] + (s % kbs) * c[L_K + D_TOKEN_STRIDE]
+    vb = c[L_V] + (s // vbs) * c[L_V + D_BLOCK_STRIDE] + (s % vbs) * c[L_V + D_TOKEN_STRIDE]
+    hf = 0
+    first = -1
+    for h in range(nh):
+        if _differs(ka + t * strides[S_K] + h * strides[S_K + 1], strides[S_K + 2], kb + h * c[L_K + D_HEAD_STRIDE],
+                    c[L_K + D_DIM_STRIDE], esz, nd):
+            hf |= 1
+            first = h if first < 0 else first
+        if _differs(va + t * strides[S_V] + h * strides[S_V + 1], strides[S_V + 2], vb + h * c[L_V + D_HEAD_STRIDE],
+                    c[L_V + D_DIM_STRIDE], esz, nd):
+            hf |= 2
+            first = h if first < 0 else first
+    return hf, first if first >= 0 else 0
+
+
+@njit(inline="always", **JIT)
 def _check_writes(c, ka, va, strides, steps, toks, half, head):  # type: ignore[no-untyped-def]
     """One layer's write check (layer row ``c``, its computed K and V at ``ka`` and ``va``):
     :func:`check_forward`'s ``half`` and ``head`` rows of that layer."""
     step = steps[c[L_STEP]]
-    esz, nh, nd = c[L_ESIZE], c[L_HEADS], c[L_DIM]
-    kbs, vbs = c[L_K + D_BLOCK], c[L_V + D_BLOCK]
     for i in range(toks.shape[0]):
-        t = toks[i]
-        s = rd(step, NS, t)
-        half[i] = 0
-        head[i] = 0
-        if s < 0:
-            continue
-        kb = c[L_K] + (s // kbs) * c[L_K + D_BLOCK_STRIDE] + (s % kbs) * c[L_K + D_TOKEN_STRIDE]
-        vb = c[L_V] + (s // vbs) * c[L_V + D_BLOCK_STRIDE] + (s % vbs) * c[L_V + D_TOKEN_STRIDE]
-        hf = 0
-        first = -1
-        for h in range(nh):
-            if _differs(ka + t * strides[S_K] + h * strides[S_K + 1], strides[S_K + 2], kb + h * c[L_K + D_HEAD_STRIDE],
-                        c[L_K + D_DIM_STRIDE], esz, nd):
-                hf |= 1
-                first = h if first < 0 else first
-            if _differs(va + t * strides[S_V] + h * strides[S_V + 1], strides[S_V + 2], vb + h * c[L_V + D_HEAD_STRIDE],
-                        c[L_V + D_DIM_STRIDE], esz, nd):
-                hf |= 2
-                first = h if first < 0 else first
-        half[i] = hf
-        head[i] = first if first >= 0 else 0
+        half[i], head[i] = _check_write(c, ka, va, strides, step, toks[i])
+
+
+@njit(inline="always", **JIT)
+def _fold_token(c, step, t, f0, f1, fsrc, fruns, fkeys):  # type: ignore[no-untyped-def]
+    """New token ``t``'s part of its fingerprint in sources ``f0`` to ``f1`` (see :func:`keep_layer`),
+    and whether it has one (a slot in the pool)."""
+    s = rd(step, NS, t)
+    part = np.uint64(0)
+    if s < 0 or s > c[L_MAX_SLOT]:
+        return part, False
+    for i in range(f0, f1):
+        part += fold_source(fsrc, fruns, fkeys, i, s)
+    return part, True
 
 
 @njit(**JIT)
@@ -217,21 +234,30 @@ def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt
     ``facc[g, t]`` for new token ``t`` of the layer's step ``g``, and counted in ``fcnt[g, t]``
     (``facc`` of no columns: nothing folded)."""
     c = layers[lay]
-    if ka != 0:
-        _check_writes(c, ka, va, strides, steps, toks, half[lay], head[lay])
+    g = c[L_STEP]
+    step = steps[g]
     f0, f1 = lfold[lay, 0], lfold[lay, 1]
-    if 0 <= f0 < f1 <= fsrc.shape[0] and facc.shape[1] > 0:
-        g = c[L_STEP]
-        step = steps[g]
-        top = c[L_MAX_SLOT]
-        for t in range(min(facc.shape[1], step[NNEW])):
-            s = rd(step, NS, t)
-            if 0 <= s <= top:
-                part = np.uint64(0)
-                for i in range(f0, f1):
-                    part += fold_source(fsrc, fruns, fkeys, i, s)
-                facc[g, t] += part
-                fcnt[g, t] += f1 - f0
+    nf = min(facc.shape[1], step[NNEW]) if 0 <= f0 < f1 <= fsrc.shape[0] and facc.shape[1] > 0 else 0
+    nw = toks.shape[0] if ka != 0 else 0
+    hrow, drow = half[lay], head[lay]
+    # token by token, its write check and then its fold: the fold reads the slot's bytes the check
+    # just brought into the core's cache (a column-major K is one cache line per element)
+    ft = 0
+    for i in range(nw):
+        t = toks[i]
+        hrow[i], drow[i] = _check_write(c, ka, va, strides, step, t)
+        while ft <= t and ft < nf:
+            part, has = _fold_token(c, step, ft, f0, f1, fsrc, fruns, fkeys)
+            if has:
+                facc[g, ft] += part
+                fcnt[g, ft] += f1 - f0
+            ft += 1
+    while ft < nf:
+        part, has = _fold_token(c, step, ft, f0, f1, fsrc, fruns, fkeys)
+        if has:
+            facc[g, ft] += part
+            fcnt[g, ft] += f1 - f0
+        ft += 1
     if qa == 0:
         return
     esz = c[L_ESIZE]

@@ -83,6 +83,8 @@ class Fold:
         self.acc = np.zeros((len(groups), tokens), dtype=np.uint64)
         self.cnt = np.zeros((len(groups), tokens), dtype=np.int64)
         self.args = (tables.src, tables.runs, tables.keys, tables.spans, self.acc, self.cnt)
+        # each group's count of sources, as a column (-1: a group without a source table, never whole)
+        self._whole = np.array([[tables.sources.get(n, -1)] for n in groups], dtype=np.int64)
         self._off = (tables.src, tables.runs, tables.keys, tables.spans, self.acc[:, :0], self.cnt[:, :0])
         self._seen: set[int] = set()
 
@@ -100,5 +102,4 @@ class Fold:
 
     def whole(self) -> int:
         """The new tokens folded over all of their group's sources (stamped with the fold)."""
-        return sum(int(np.count_nonzero(self.cnt[i] == self.tables.sources[n])) for i, n in enumerate(self.groups)
-                   if n in self.tables.sources)
+        return int(np.count_nonzero(self.cnt == self._whole))

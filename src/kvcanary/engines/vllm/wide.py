@@ -36,15 +36,20 @@ class Planner(Protocol):
 class WideBase:
     """What every forward of one set of live groups shares in :meth:`WideForward.plan`, made once:
     the covered layers' names and rows (``index``), their layer table and floats, each row's sliding
-    window, the layers' statics by their number (with their row) and the widest query row in bytes."""
+    window, the layers' statics by their name and by their number (each with its row) and the widest
+    query row in bytes."""
 
     def __init__(self, names: list[str], table: np.ndarray, fl: np.ndarray, statics: list[Any],
                  windows: list[int | None], width: int, groups: list[str]) -> None:
         self.names, self.table, self.fl, self.windows, self.width = names, table, fl, windows, width
         self.index = {n: i for i, n in enumerate(names)}
+        self.rows = {n: (i, c) for i, (n, c) in enumerate(zip(names, statics))}  # a layer's row and its statics
         self.by_number = {c.number: (i, c) for i, c in enumerate(statics)}
         self.numbers = [c.number for c in statics]  # each row's layer number and group, for the records
         self.groups = groups
+        from kvcanary.fused.audit import keep_layer  # numba: imported once the engine runs
+
+        self.keep_layer = keep_layer
 
 
 class WideForward:
@@ -64,14 +69,12 @@ class WideForward:
         self.half = np.zeros((len(names), len(toks)), dtype=np.int64)
         self.head = np.zeros_like(self.half)
         self.kept = np.zeros((max(len(qt), 1), 2, width), dtype=np.uint8)
-        self.kept_at = int(self.kept.ctypes.data)
+        self.kept_at = self.kept.__array_interface__["data"][0]  # (ndarray.ctypes costs microseconds)
         self.md: Any = None  # the last metadata seen, and whether its attention is causal
         self.md_causal = True
-        from kvcanary.fused.audit import keep_layer
-
-        self.keep_layer = keep_layer
+        self.keep_layer = base.keep_layer
         self.ptrs = np.zeros((len(names), 4), dtype=np.int64)
-        self.audited = set(qt[:, Q_LAYER].tolist())  # the layer rows with queries
+        self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else set()  # the layer rows with queries
         self.wrote: list[int] = []
         self.st: np.ndarray | None = None
         self.shape: tuple[Any, ...] | None = None
@@ -105,24 +108,25 @@ class WideForward:
         differ from the forward's first in dtype, strides or heads is checked as it goes, by the
         per-layer path). Runs after the layer's matrix products have left the CPU's caches cold, where
         each distinct tensor call costs microseconds: it makes as few as it can."""
-        li = self.index.get(layer.layer_name)
-        if li is None:
+        got = self.base.rows.get(layer.layer_name)
+        if got is None:
             return
-        c = audit.seen[layer.layer_name]
+        li, c = got
         if md is not self.md:  # a group's layers share one metadata object a forward: its checks once
             self.md, self.md_causal = md, getattr(md, "causal", True) and getattr(md, "dynamic_causal", None) is None
         if not c.checked or not self.md_causal:
             return
         shape = (key.stride(), value.stride(), query.stride(), output.stride(), output.shape, key.dtype, value.dtype,
                  query.dtype, output.dtype, c.heads)
-        if self.shape is None and key.dtype == value.dtype == query.dtype == output.dtype == c.dtype:
-            out3 = output.view(output.shape[0], c.heads, -1)
-            self.shape = shape
-            self.st = np.array(strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2)
-                               + strides(out3, 0, 1, 2), dtype=np.int64)
         if shape != self.shape:
-            audit.check_layer(impl, layer, query, key, value, kv_cache, md, output)
-            return
+            if self.shape is None and key.dtype == value.dtype == query.dtype == output.dtype == c.dtype:
+                out3 = output.view(output.shape[0], c.heads, -1)
+                self.shape = shape
+                self.st = np.array(strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2)
+                                   + strides(out3, 0, 1, 2), dtype=np.int64)
+            else:
+                audit.check_layer(impl, layer, query, key, value, kv_cache, md, output)
+                return
         write = self.write and c.writes
         audited = li in self.audited
         self.keep_layer(self.table, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0,
