@@ -47,9 +47,9 @@ class WideBase:
         self.by_number = {c.number: (i, c) for i, c in enumerate(statics)}
         self.numbers = [c.number for c in statics]  # each row's layer number and group, for the records
         self.groups = groups
-        from kvcanary.fused.audit import keep_layer  # numba: imported once the engine runs
+        from kvcanary.fused import audit as fused_audit  # numba: imported once the engine runs
 
-        self.keep_layer = keep_layer
+        self.fused = fused_audit
 
 
 class WideForward:
@@ -72,7 +72,7 @@ class WideForward:
         self.kept_at = self.kept.__array_interface__["data"][0]  # (ndarray.ctypes costs microseconds)
         self.md: Any = None  # the last metadata seen, and whether its attention is causal
         self.md_causal = True
-        self.keep_layer = base.keep_layer
+        self.keep_layer = base.fused.keep_layer  # looked up each forward (a fault may replace it)
         self.ptrs = np.zeros((len(names), 4), dtype=np.int64)
         self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else set()  # the layer rows with queries
         self.wrote: list[int] = []
