@@ -1,0 +1,76 @@
+"""The compiled fold of many slots at once (:func:`kvcanary.fused._core.fold_slots`, the verify window's
+and the patrol's) gives every slot the fingerprint the slot-by-slot fold gives it, where runs of
+neighbouring slots are folded element by element across them (:func:`kvcanary.fused._core.fold_run`):
+vLLM's CPU layouts, whose K is narrow and column-major (``vec``) or packed in 16-token groups (``amx``),
+and a token-major one (wide words), over slot lists with runs that cross pages and packs, short runs,
+gaps and absent entries."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvcanary import layouts
+from kvcanary.fused import available
+
+pytestmark = pytest.mark.skipif(available() is not None, reason="numba is not installed")
+
+BLOCKS, HEADS, BLOCK, DIM = 12, 2, 32, 64
+
+
+def _folds():  # type: ignore[no-untyped-def]
+    from numba import njit
+
+    from kvcanary.fused._core import fold_slot, fold_slots
+
+    @njit
+    def together(src, runs, keys, slots):  # type: ignore[no-untyped-def]
+        return fold_slots(src, runs, keys, slots, slots.shape[0])
+
+    @njit
+    def one_by_one(src, runs, keys, slots):  # type: ignore[no-untyped-def]
+        out = np.zeros(slots.shape[0], dtype=np.int64)
+        for j in range(slots.shape[0]):
+            if slots[j] >= 0:
+                out[j] = fold_slot(src, runs, keys, slots[j])
+        return out
+
+    return together, one_by_one
+
+
+def _slots(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Runs of neighbouring slots of random lengths (1 to 70: across 16-token packs and 32-slot pages)
+    from random starts, with absent entries (-1) among them."""
+    out: list[int] = []
+    while len(out) < 400:
+        start, length = int(rng.integers(0, n)), int(rng.integers(1, 71))
+        out += [s for s in range(start, min(start + length, n))]
+        if rng.random() < 0.3:
+            out.append(-1)
+    return np.array(out, dtype=np.int64)
+
+
+@pytest.mark.parametrize("kind", ["vec", "amx", "token-major"])
+def test_slots_folded_together_match_slot_by_slot(kind: str) -> None:
+    from kvcanary.fused._core import A_TKS, A_WIDTH, SourceTable
+
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(torch.bfloat16) for _ in range(3)]
+    if kind == "vec":
+        layout = layouts.vllm_cpu_vec(tensors, BLOCK, HEADS, DIM)
+    elif kind == "amx":
+        layout = layouts.vllm_cpu_amx(tensors, BLOCK, HEADS, DIM)
+    else:
+        layout = layouts.paged_kv_split([torch.randn(2, BLOCKS, BLOCK, HEADS, DIM, generator=g).to(torch.bfloat16)
+                                         for _ in range(3)])
+    table = SourceTable(layout)
+    side = (table.src[:, A_WIDTH] != 0) & (table.src[:, A_TKS] == table.src[:, A_WIDTH])
+    if kind == "vec":
+        assert side.any()  # the run fold is taken there
+    together, one_by_one = _folds()
+    slots = _slots(np.random.default_rng(7), BLOCKS * BLOCK)
+    got = together(table.src, table.runs, table.keys, slots)
+    want = one_by_one(table.src, table.runs, table.keys, slots)
+    assert (got == want).all()
+    assert (got[slots < 0] == 0).all() and (got[slots >= 0] != 0).all()
