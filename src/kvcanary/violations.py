@@ -204,8 +204,7 @@ class ViolationRing:
 
     def drain(self) -> list[Violation]:
         """Decode the rows written since the last drain (syncs with the device)."""
-        c = self.counters
-        total = int(self._host[Counter.VIOLATIONS] if self._host is not None else c[Counter.VIOLATIONS])
+        total = self.count(Counter.VIOLATIONS)
         new = total - self.drained
         if new <= 0:
             return []

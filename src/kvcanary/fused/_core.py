@@ -47,17 +47,6 @@ ld_i64 = _loader(64, True, types.int64)
 ld_w64 = _loader(64, False, types.uint64)  # a content word
 
 
-@intrinsic
-def i64_pointer(typingctx, addr):  # type: ignore[no-untyped-def]
-    """An address as a pointer to int64 (for :func:`numba.carray`: an array over raw memory, whose
-    loops the compiler vectorises where loads through :func:`ld_i64` it does not)."""
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-
-    return types.CPointer(types.int64)(types.int64), codegen
-
-
 def _pointer(bits: int, ty: types.Type):  # type: ignore[no-untyped-def]
     @intrinsic
     def pointer(typingctx, addr):  # type: ignore[no-untyped-def]
@@ -69,9 +58,11 @@ def _pointer(bits: int, ty: types.Type):  # type: ignore[no-untyped-def]
     return pointer
 
 
-# an address as a pointer to unsigned words or elements, for numba.carray (content words and narrow elements)
-u64_pointer, u32_pointer = _pointer(64, types.uint64), _pointer(32, types.uint32)
-u16_pointer, u8_pointer = _pointer(16, types.uint16), _pointer(8, types.uint8)
+# an address as a typed pointer, for numba.carray: an array over raw memory, whose loops the compiler
+# vectorises where loads through ld_i64 and the like it does not (int64 words; unsigned content words
+# and narrow elements)
+i64_pointer, u64_pointer = _pointer(64, types.int64), _pointer(64, types.uint64)
+u32_pointer, u16_pointer, u8_pointer = _pointer(32, types.uint32), _pointer(16, types.uint16), _pointer(8, types.uint8)
 
 
 @intrinsic

@@ -205,16 +205,17 @@ def _check_writes(c, ka, va, strides, steps, toks, half, head):  # type: ignore[
 
 
 @njit(inline="always", **JIT)
-def _fold_token(c, step, t, f0, f1, fsrc, fruns, fkeys):  # type: ignore[no-untyped-def]
-    """New token ``t``'s part of its fingerprint in sources ``f0`` to ``f1`` (see :func:`keep_layer`),
-    and whether it has one (a slot in the pool)."""
+def _fold_token(c, step, g, t, f0, f1, fsrc, fruns, fkeys, facc, fcnt):  # type: ignore[no-untyped-def]
+    """New token ``t``'s part of its fingerprint in sources ``f0`` to ``f1``, added into ``facc[g, t]``
+    and counted in ``fcnt[g, t]`` (see :func:`keep_layer`); nothing for a token without a slot in the pool."""
     s = rd(step, NS, t)
-    part = np.uint64(0)
     if s < 0 or s > c[L_MAX_SLOT]:
-        return part, False
+        return
+    part = np.uint64(0)
     for i in range(f0, f1):
         part += fold_source(fsrc, fruns, fkeys, i, s)
-    return part, True
+    facc[g, t] += part
+    fcnt[g, t] += f1 - f0
 
 
 @njit(**JIT)
@@ -247,17 +248,10 @@ def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt
         t = toks[i]
         hrow[i], drow[i] = _check_write(c, ka, va, strides, step, t)
         while ft <= t and ft < nf:
-            part, has = _fold_token(c, step, ft, f0, f1, fsrc, fruns, fkeys)
-            if has:
-                facc[g, ft] += part
-                fcnt[g, ft] += f1 - f0
+            _fold_token(c, step, g, ft, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
             ft += 1
-    while ft < nf:
-        part, has = _fold_token(c, step, ft, f0, f1, fsrc, fruns, fkeys)
-        if has:
-            facc[g, ft] += part
-            fcnt[g, ft] += f1 - f0
-        ft += 1
+    for t in range(ft, nf):
+        _fold_token(c, step, g, t, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
     if qa == 0:
         return
     esz = c[L_ESIZE]
