@@ -144,7 +144,8 @@ def _warm_audit(desc: Any) -> None:
                desc[None], np.zeros(0, dtype=np.int64), half, np.zeros_like(half),
                np.zeros((0, QUERY_COLUMNS), dtype=np.int64), np.zeros((1, 2, 2), dtype=np.uint8),
                np.zeros((0, NUM_SRC_FIELDS), dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.uint64),
-               np.zeros((1, 2), dtype=np.int64), np.zeros((0, 0), dtype=np.uint64), np.zeros((0, 0), dtype=np.int64))
+               np.zeros((1, 2), dtype=np.int64), np.zeros((0, 3), dtype=np.int64), np.zeros(1, dtype=np.uint64),
+               np.zeros((0, 0), dtype=np.uint64), np.zeros((0, 0), dtype=np.int64))
     for gathered in (False, True):
         check_forward(layers, np.zeros((0, 4), dtype=np.int64), np.zeros(STRIDE_COLUMNS, dtype=np.int64), desc[None],
                       np.zeros(0, dtype=np.int64), np.zeros((0, QUERY_COLUMNS), dtype=np.int64), np.zeros(4),

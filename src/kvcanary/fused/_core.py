@@ -275,6 +275,34 @@ def fold_run(src, runs, keys, i, slot, count, acc):  # type: ignore[no-untyped-d
                 acc[t] += wmix(np.uint64(c1[t]) ^ k)
 
 
+@njit(inline="always", **JIT)
+def fold_row(addr, width, keys, k0, n):  # type: ignore[no-untyped-def]
+    """A source's part of one slot's fingerprint from a contiguous copy of its words in another order:
+    ``n`` words of ``width`` bytes (8: a wide word, else a narrow element) at ``addr``, word ``p``
+    keyed by ``keys[k0 + p]`` (the source's keys put in that order,
+    :func:`kvcanary.engines.vllm.fold.row_keys`). The same sum as :func:`fold_source` over the
+    slot's bytes wherever those bytes equal the copy; one loop the compiler vectorises."""
+    acc = np.uint64(0)
+    ks = carray(u64_pointer(keys.ctypes.data + 8 * k0), n)
+    if width == 8:
+        c8 = carray(u64_pointer(addr), n)
+        for p in range(n):
+            acc += wmix(c8[p] ^ ks[p])
+    elif width == 2:
+        c2 = carray(u16_pointer(addr), n)
+        for p in range(n):
+            acc += wmix(np.uint64(c2[p]) ^ ks[p])
+    elif width == 4:
+        c4 = carray(u32_pointer(addr), n)
+        for p in range(n):
+            acc += wmix(np.uint64(c4[p]) ^ ks[p])
+    else:
+        c1 = carray(u8_pointer(addr), n)
+        for p in range(n):
+            acc += wmix(np.uint64(c1[p]) ^ ks[p])
+    return acc
+
+
 RUN_MIN = 4  # neighbouring slots folded together by fold_run (fewer: slot by slot)
 
 

@@ -31,7 +31,7 @@ from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD
                                    L_HEADS, L_K, L_MAX_SLOT, L_QCODE, L_STEP, L_V, LAYER_COLUMNS, PTR_K, PTR_O, PTR_Q,
                                    PTR_V, Q_CACHED, Q_HEAD, Q_KV_HEAD, Q_LAYER, Q_LOCAL, Q_PICKED, Q_POSITION, Q_ROW,
                                    Q_SINK, Q_START, Q_TOKEN, S_K, S_O, S_Q, S_V)
-from kvcanary.fused._core import JIT, fold_source, ld_i64, ld_u8, ld_u16, ld_u32
+from kvcanary.fused._core import JIT, fold_row, fold_source, ld_i64, ld_u8, ld_u16, ld_u32, prefetch
 from kvcanary.fused._step import NNEW, NS, lookup, rd
 from kvcanary.fused.cache import njit
 
@@ -196,6 +196,38 @@ def _check_write(c, ka, va, strides, step, t):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **JIT)
+def _prefetch_rows(a, nbytes):  # type: ignore[no-untyped-def]
+    """Hint the cache lines of ``nbytes`` contiguous bytes from ``a`` into the caches."""
+    for b in range(0, nbytes + 63, 64):
+        prefetch(min(a + b, a + nbytes - 1))
+
+
+@njit(inline="always", **JIT)
+def _prefetch_writes(c, ka, va, strides, step, toks):  # type: ignore[no-untyped-def]
+    """Hint the rows :func:`_check_writes` compares into the caches, where each head's row is contiguous
+    on both sides (token-major caches): after the forward they are in memory, and compared one by one
+    each waits for its own lines; hinted first, their loads overlap."""
+    esz, nh, nd = c[L_ESIZE], c[L_HEADS], c[L_DIM]
+    n = nd * esz
+    if c[L_K + D_DIM_STRIDE] != esz or c[L_V + D_DIM_STRIDE] != esz or strides[S_K + 2] != esz \
+            or strides[S_V + 2] != esz:
+        return
+    kbs, vbs = c[L_K + D_BLOCK], c[L_V + D_BLOCK]
+    for i in range(toks.shape[0]):
+        t = toks[i]
+        s = rd(step, NS, t)
+        if s < 0:
+            continue
+        kb = c[L_K] + (s // kbs) * c[L_K + D_BLOCK_STRIDE] + (s % kbs) * c[L_K + D_TOKEN_STRIDE]
+        vb = c[L_V] + (s // vbs) * c[L_V + D_BLOCK_STRIDE] + (s % vbs) * c[L_V + D_TOKEN_STRIDE]
+        for h in range(nh):
+            _prefetch_rows(kb + h * c[L_K + D_HEAD_STRIDE], n)
+            _prefetch_rows(vb + h * c[L_V + D_HEAD_STRIDE], n)
+            _prefetch_rows(ka + t * strides[S_K] + h * strides[S_K + 1], n)
+            _prefetch_rows(va + t * strides[S_V] + h * strides[S_V + 1], n)
+
+
+@njit(inline="always", **JIT)
 def _check_writes(c, ka, va, strides, steps, toks, half, head):  # type: ignore[no-untyped-def]
     """One layer's write check (layer row ``c``, its computed K and V at ``ka`` and ``va``):
     :func:`check_forward`'s ``half`` and ``head`` rows of that layer."""
@@ -218,9 +250,28 @@ def _fold_token(c, step, g, t, f0, f1, fsrc, fruns, fkeys, facc, fcnt):  # type:
     fcnt[g, t] += f1 - f0
 
 
+@njit(inline="always", **JIT)
+def _fold_rows(c, step, g, t, f0, f1, frow, frkeys, ka, va, strides, facc, fcnt):  # type: ignore[no-untyped-def]
+    """:func:`_fold_token` from the token's computed K and V rows (contiguous) instead of the cache:
+    for a token whose write check found the cache's rows equal to them, bit for bit, and sources whose
+    keys :func:`kvcanary.engines.vllm.fold.row_keys` put in a row's order (``frow[i]``: the first
+    key, the word's width, 0 for K and 1 for V)."""
+    s = rd(step, NS, t)
+    if s < 0 or s > c[L_MAX_SLOT]:
+        return
+    n = c[L_HEADS] * c[L_DIM] * c[L_ESIZE]
+    part = np.uint64(0)
+    for i in range(f0, f1):
+        w = frow[i, 1]
+        at = ka + t * strides[S_K] if frow[i, 2] == 0 else va + t * strides[S_V]
+        part += fold_row(at, w, frkeys, frow[i, 0], n // w)
+    facc[g, t] += part
+    fcnt[g, t] += f1 - f0
+
+
 @njit(**JIT)
-def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt, kept, fsrc, fruns, fkeys, lfold, facc,
-               fcnt):  # type: ignore[no-untyped-def]
+def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt, kept, fsrc, fruns, fkeys, lfold, frow,
+               frkeys, facc, fcnt):  # type: ignore[no-untyped-def]
     """Inside one layer's forward, what :func:`check_forward` needs of it after the forward: its write
     check now (``ka``: its computed K's address, 0: none; ``va``: its V's), into the ``half`` and
     ``head`` rows of layer ``lay``; and a copy of its audited queries' rows, the query at ``qa`` and
@@ -228,12 +279,15 @@ def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt
     table row ``s`` holds its query at ``[s, 0]`` and its output at ``[s, 1]``), because the engine
     may reuse those tensors' memory in a later layer.
 
-    And the layer's part of every new token's fingerprint, folded while its bytes are in the caches
-    (the stamp after the forward would read each again, one cache line per element in a column-major
-    K): sources ``lfold[lay, 0]`` to ``lfold[lay, 1]`` of the source table ``fsrc``/``fruns``/``fkeys``
+    And the layer's part of every new token's fingerprint: sources ``lfold[lay, 0]`` to
+    ``lfold[lay, 1]`` of the source table ``fsrc``/``fruns``/``fkeys``
     (:class:`kvcanary.fused._core.SourceTable`'s arrays, every group's together) are added into
     ``facc[g, t]`` for new token ``t`` of the layer's step ``g``, and counted in ``fcnt[g, t]``
-    (``facc`` of no columns: nothing folded)."""
+    (``facc`` of no columns: nothing folded). A token whose write check found the cache equal to
+    its computed K and V is folded from those rows (contiguous: a loop the compiler vectorises),
+    where every source of the layer has its keys in a row's order (``frow[i, 0] >= 0``,
+    ``frkeys``) and the rows are contiguous; any other from the cache, after its check brought the
+    slot's bytes into the core's cache (a column-major K is one cache line per element)."""
     c = layers[lay]
     g = c[L_STEP]
     step = steps[g]
@@ -241,21 +295,30 @@ def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt
     nf = min(facc.shape[1], step[NNEW]) if 0 <= f0 < f1 <= fsrc.shape[0] and facc.shape[1] > 0 else 0
     nw = toks.shape[0] if ka != 0 else 0
     hrow, drow = half[lay], head[lay]
-    # token by token, its write check and then its fold: the fold reads the slot's bytes the check
-    # just brought into the core's cache (a column-major K is one cache line per element)
+    esz, nd = c[L_ESIZE], c[L_DIM]
+    rows = nf > 0 and nw > 0 and f1 <= frow.shape[0]
+    rows = rows and strides[S_K + 2] == esz and strides[S_K + 1] == nd * esz
+    rows = rows and strides[S_V + 2] == esz and strides[S_V + 1] == nd * esz
+    for i in range(f0, f1 if rows else f0):
+        rows = rows and frow[i, 0] >= 0
     ft = 0
     for i in range(nw):
         t = toks[i]
-        hrow[i], drow[i] = _check_write(c, ka, va, strides, step, t)
-        while ft <= t and ft < nf:
+        hf, first = _check_write(c, ka, va, strides, step, t)
+        hrow[i], drow[i] = hf, first
+        while ft < t and ft < nf:  # a token whose write is not checked: from the cache
             _fold_token(c, step, g, ft, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
+            ft += 1
+        if ft == t and ft < nf:
+            if rows and hf == 0:
+                _fold_rows(c, step, g, ft, f0, f1, frow, frkeys, ka, va, strides, facc, fcnt)
+            else:
+                _fold_token(c, step, g, ft, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
             ft += 1
     for t in range(ft, nf):
         _fold_token(c, step, g, t, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
     if qa == 0:
         return
-    esz = c[L_ESIZE]
-    nd = c[L_DIM]
     for s in range(qt.shape[0]):
         if qt[s, Q_LAYER] != lay:
             continue
@@ -287,8 +350,13 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
     error (:func:`kvcanary.audit.reference.error`; -1: a position without a slot), ``tols`` with its
     tolerance, and ``shift`` with +1 or -1 where reading every cached block one page on or back
     gives the engine's output (tried above the tolerance only)."""
-    for lay in range(layers.shape[0]):
-        if ptrs[lay, PTR_K] != 0:
+    ahead = 2  # layers whose rows are hinted before the one compared
+    for lay in range(-ahead, layers.shape[0]):
+        nxt = lay + ahead
+        if nxt < layers.shape[0] and ptrs[nxt, PTR_K] != 0:
+            c = layers[nxt]
+            _prefetch_writes(c, ptrs[nxt, PTR_K], ptrs[nxt, PTR_V], strides, steps[c[L_STEP]], toks)
+        if lay >= 0 and ptrs[lay, PTR_K] != 0:
             _check_writes(layers[lay], ptrs[lay, PTR_K], ptrs[lay, PTR_V], strides, steps, toks, half[lay], head[lay])
     if qt.shape[0] == 0:
         return

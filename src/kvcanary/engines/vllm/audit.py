@@ -203,7 +203,8 @@ class VllmAudit(EngineAudit):
             base = self._wide_base[key] = WideBase(layers, table, fl, statics,
                                                    [self.groups[n].plan.window for n in layers], width,
                                                    [self.groups[n].name for n in layers])
-            self._fold_tables[key] = fold_tables(live, layers, self.groups, getattr(self.adapter, "spans", {}))
+            self._fold_tables[key] = fold_tables(live, layers, self.groups, getattr(self.adapter, "spans", {}),
+                                                 self.geometry)
         fold = Fold(self._fold_tables[key], [g.name for g in live], max(int(g.step.num_new) for g in live))
         return WideForward.plan(self, live, base, queries, fold)
 

@@ -9,6 +9,11 @@ time there. The per-layer keep (:func:`kvcanary.fused.audit.keep_layer`) folds i
 into :class:`Fold`; the groups' canaries stamp with the sums that cover all of their sources
 (:meth:`kvcanary.canary.Canary.after_forward`'s ``folded``) and fold any other token themselves.
 
+Where the layer's write check has just found a token's cache rows equal to the K and V the layer
+computed, bit for bit, the keep folds those computed rows instead (contiguous, where a column-major
+K's elements are one cache line each): the same words under the same keys, the keys put in the
+rows' order once per set of live groups (:func:`row_keys`).
+
 The compiled loops' module is imported when the first tables are made, never at import: numba
 loaded before vLLM's engine starts breaks the start of vLLM 0.32's CPU build.
 """
@@ -34,13 +39,16 @@ class FoldTables:
     keys: np.ndarray
     spans: np.ndarray
     sources: dict[str, int]
+    rows: np.ndarray  # per source: its first key in ``row_keys``, its words' width, 0 (K) or 1 (V); -1: none
+    row_keys: np.ndarray
 
 
 def fold_tables(live: list[Any], layers: list[str], group_of: dict[str, Any],
-                spans: dict[str, tuple[int, int]]) -> FoldTables:
+                spans: dict[str, tuple[int, int]], geometry: dict[str, Any] | None = None) -> FoldTables:
     """The fold's tables for a forward over the ``live`` groups (their canaries on the fused path)
     and the covered ``layers`` in the layer table's order (``spans``: each layer's sources in its
-    group's layout)."""
+    group's layout, its K's then its V's; ``geometry``: each layer's, where its tokens may be folded
+    from their computed rows)."""
     from kvcanary.fused._core import A_KEY0, A_RUN0, NUM_SRC_FIELDS, SourceTable
 
     srcs, runs, keys = [], [], []
@@ -68,9 +76,65 @@ def fold_tables(live: list[Any], layers: list[str], group_of: dict[str, Any],
                                  f"{g.canary.table.count} sources")
             out[i] = (base + span[0], base + span[1])
     count = {g.name: g.canary.table.count for g in live if g.name in first}
-    return FoldTables(np.concatenate(srcs) if srcs else np.zeros((0, NUM_SRC_FIELDS), dtype=np.int64),
-                      np.concatenate(runs) if runs else np.zeros(1, dtype=np.int64),
-                      np.concatenate(keys) if keys else np.zeros(1, dtype=np.uint64), out, count)
+    src = np.concatenate(srcs) if srcs else np.zeros((0, NUM_SRC_FIELDS), dtype=np.int64)
+    run = np.concatenate(runs) if runs else np.zeros(1, dtype=np.int64)
+    key = np.concatenate(keys) if keys else np.zeros(1, dtype=np.uint64)
+    rows = np.full((len(src), 3), -1, dtype=np.int64)
+    ordered: list[np.ndarray] = []
+    n_row = 0
+    for i, n in enumerate(layers):
+        geo = (geometry or {}).get(n)
+        if geo is None or out[i, 1] - out[i, 0] != 2:
+            continue
+        for j, half in enumerate(("k", "v")):
+            got = row_keys(src[out[i, 0] + j], run, key, geo, half)
+            if got is not None:
+                rows[out[i, 0] + j] = (n_row, got[0], j)
+                ordered.append(got[1])
+                n_row += len(got[1])
+    return FoldTables(src, run, key, out, count, rows,
+                      np.concatenate(ordered + [np.zeros(1, dtype=np.uint64)]))
+
+
+def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
+             half: str) -> tuple[int, np.ndarray] | None:
+    """One source's word keys in the order of a token's computed row of its layer's ``half`` (``"k"``
+    or ``"v"``: ``[num_kv_heads, head_dim]`` elements, contiguous), and its words' width in bytes; or
+    ``None`` where its words are not that row's bytes in another order (some of them only, or a
+    word whose elements are not neighbours in the row). ``src``: the source's row of the source
+    table, whose runs and keys are in ``runs`` and ``keys``; ``geometry``: the layer's, which says
+    where each element of a slot lies (checked on a few slots)."""
+    from kvcanary.fused._core import A_ADDR, A_KEY0, A_PACK, A_PGS, A_PKS, A_PS, A_RUN0, A_RUNW, A_TKS, A_WIDTH, A_WORDS
+
+    esz, heads, dim = geometry.element_size, geometry.num_kv_heads, geometry.head_dim
+    width, words = int(src[A_WIDTH]) or 8, int(src[A_WORDS])
+    if width % esz or words * width != heads * dim * esz:
+        return None
+    j = np.arange(words)
+    r0 = int(src[A_RUN0])
+    offs = runs[r0 + j] if src[A_WIDTH] else runs[r0 + j // int(src[A_RUNW])] + 8 * (j % int(src[A_RUNW]))
+    ps, pack = int(src[A_PS]), int(src[A_PACK])
+    storage = geometry.tensor.untyped_storage().data_ptr()
+    pos = None
+    for slot in sorted({0, 1, ps - 1, ps + 1, geometry.num_slots - 1} & set(range(geometry.num_slots))):
+        page, inpage = divmod(slot, ps)
+        base = (int(src[A_ADDR]) - storage + page * int(src[A_PGS]) + (inpage // pack) * int(src[A_PKS])
+                + (inpage % pack) * int(src[A_TKS]))
+        at = {geometry.element(half, slot, h, d) - base: h * dim + d for h in range(heads) for d in range(dim)}
+        first = np.array([at.get(o, -1) for o in offs.tolist()], dtype=np.int64)
+        for e in range(1, width // esz):  # a word's elements follow each other in the row
+            if any(at.get(o + e * esz, -2) != p + e for o, p in zip(offs.tolist(), first.tolist())):
+                return None
+        if (first < 0).any() or ((first * esz) % width).any() or (pos is not None and not np.array_equal(first, pos)):
+            return None
+        pos = first
+    assert pos is not None
+    word = pos * esz // width
+    if not np.array_equal(np.sort(word), j):
+        return None
+    ordered = np.empty(words, dtype=np.uint64)
+    ordered[word] = keys[int(src[A_KEY0]) + j]
+    return width, ordered
 
 
 class Fold:
@@ -82,10 +146,11 @@ class Fold:
         self.tables, self.groups = tables, groups
         self.acc = np.zeros((len(groups), tokens), dtype=np.uint64)
         self.cnt = np.zeros((len(groups), tokens), dtype=np.int64)
-        self.args = (tables.src, tables.runs, tables.keys, tables.spans, self.acc, self.cnt)
+        self.args = (tables.src, tables.runs, tables.keys, tables.spans, tables.rows, tables.row_keys, self.acc,
+                     self.cnt)
         # each group's count of sources, as a column (-1: a group without a source table, never whole)
         self._whole = np.array([[tables.sources.get(n, -1)] for n in groups], dtype=np.int64)
-        self._off = (tables.src, tables.runs, tables.keys, tables.spans, self.acc[:, :0], self.cnt[:, :0])
+        self._off = (*self.args[:6], self.acc[:, :0], self.cnt[:, :0])
         self._seen: set[int] = set()
 
     def layer(self, index: int) -> tuple[np.ndarray, ...]:

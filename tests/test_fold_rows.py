@@ -1,0 +1,143 @@
+"""A new token's fingerprint folded from the K and V rows its layer computed
+(:func:`kvcanary.fused._core.fold_row`, keys put in the rows' order by
+:func:`kvcanary.engines.vllm.fold.row_keys`) equals the fold of the same bytes in the cache
+(:func:`kvcanary.fused._core.fold_source`), on vLLM's CPU layouts: ``vec`` (K column-major, one
+narrow element a word; V token-major, wide words) in bf16 and fp32, and ``amx`` (K in 4-byte pairs
+packed across 16 tokens, V in 2-byte elements across token pairs). The per-layer keep
+(:func:`kvcanary.fused.audit.keep_layer`) takes the rows only for a token whose write check found
+them equal to the cache: a token whose computed rows differ is folded from the cache."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvcanary.fused import available
+
+pytestmark = pytest.mark.skipif(available() is not None, reason="numba is not installed")
+
+BLOCKS, HEADS, BLOCK, DIM = 6, 3, 32, 64
+
+
+def _pool(isa: str, dtype: torch.dtype, layers: int = 2):  # type: ignore[no-untyped-def]
+    from kvcanary.fused._core import SourceTable
+    from kvcanary.geometry.vllm_cpu import vllm_cpu
+    from kvcanary.layout import KvLayout
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(dtype) for _ in range(layers)]
+    geos = [vllm_cpu(t, isa, BLOCK, HEADS, DIM, i) for i, t in enumerate(tensors)]
+    sources = [s for i, geo in enumerate(geos) for s in geo.sources(f"layer{i}")]
+    table = SourceTable(KvLayout(tuple(sources)))
+    names = [f"l{i}" for i in range(layers)]
+    group = SimpleNamespace(name="g", canary=SimpleNamespace(table=table))
+    return geos, table, names, group
+
+
+def _fold_both():  # type: ignore[no-untyped-def]
+    from numba import njit
+
+    from kvcanary.fused._core import fold_row, fold_source
+
+    @njit
+    def from_cache(src, runs, keys, i, slot):  # type: ignore[no-untyped-def]
+        return fold_source(src, runs, keys, i, slot)
+
+    @njit
+    def from_row(addr, width, keys, k0, n):  # type: ignore[no-untyped-def]
+        return fold_row(addr, width, keys, k0, n)
+
+    return from_cache, from_row
+
+
+@pytest.mark.parametrize("isa,dtype", [("vec", torch.bfloat16), ("vec", torch.float32), ("amx", torch.bfloat16)])
+def test_a_slot_folded_from_its_computed_rows_equals_its_fold_from_the_cache(isa: str, dtype: torch.dtype) -> None:
+    from kvcanary.engines.vllm.fold import fold_tables
+
+    geos, table, names, group = _pool(isa, dtype)
+    spans = {n: (2 * i, 2 * i + 2) for i, n in enumerate(names)}
+    ft = fold_tables([group], names, {n: group for n in names}, spans, dict(zip(names, geos)))
+    assert (ft.rows[:, 0] >= 0).all()  # every source's keys in a row's order
+    from_cache, from_row = _fold_both()
+    slots = [0, 1, 15, 16, 17, BLOCK - 1, BLOCK, 2 * BLOCK + 7, BLOCKS * BLOCK - 1]
+    for li, geo in enumerate(geos):
+        for j, half in enumerate(("k", "v")):
+            i = 2 * li + j
+            start, width, which = ft.rows[i].tolist()
+            assert which == j
+            rows = geo.rows(half, torch.tensor(slots)).contiguous()  # [slots, heads, dim]: what a layer computes
+            n = HEADS * DIM * geo.element_size // width
+            for k, s in enumerate(slots):
+                want = from_cache(table.src, table.runs, table.keys, i, s)
+                assert from_row(rows[k].data_ptr(), width, ft.row_keys, start, n) == want, (half, s)
+                other = rows[k].clone()
+                other.view(-1)[5] += 1  # one element differs: so does the fold
+                assert from_row(other.data_ptr(), width, ft.row_keys, start, n) != want
+
+
+def test_a_source_of_part_of_a_row_is_not_folded_from_rows() -> None:
+    from kvcanary.engines.vllm.fold import row_keys
+    from kvcanary.fused._core import A_WORDS
+
+    geos, table, _, _ = _pool("vec", torch.bfloat16, layers=1)
+    assert row_keys(table.src[0], table.runs, table.keys, geos[0], "k") is not None
+    part = table.src[0].copy()
+    part[A_WORDS] -= 1
+    assert row_keys(part, table.runs, table.keys, geos[0], "k") is None
+    assert row_keys(table.src[0], table.runs, table.keys, geos[0], "v") is None  # K's words are not V's row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(dtype: torch.dtype) -> None:
+    """keep_layer over a forward of 5 new tokens: the sums equal the cache's folds with the rows the
+    cache holds, with a row that differs from the cache in one token (that token folded from the
+    cache, its write check reporting K), and with the write check off (every token from the cache)."""
+    from kvcanary.audit.tables import LAYER_COLUMNS, QUERY_COLUMNS, L_STEP, layer_row, strides
+    from kvcanary.audit.reference import DTYPES
+    from kvcanary.engines.vllm.fold import Fold, fold_tables
+    from kvcanary.fused._step import describe
+    from kvcanary.fused.audit import keep_layer
+    from kvcanary.step import Step
+
+    geos, table, names, group = _pool("vec", dtype, layers=1)  # the compiled keep reads strided layouts
+    geo = geos[0]
+    ft = fold_tables([group], names, {names[0]: group}, {names[0]: (0, 2)}, {names[0]: geo})
+    new_slots = torch.tensor([40, 41, 75, 100, 150])
+    n = len(new_slots)
+    step = Step(cached_lens=torch.zeros(n, dtype=torch.int64), new_offsets=torch.arange(n + 1),
+                new_tokens=torch.arange(n), new_positions=torch.zeros(n, dtype=torch.int64), new_slots=new_slots,
+                block_table=(new_slots // BLOCK)[:, None], block_size=BLOCK)
+    steps = describe(step)[None]
+    descs = geo.descriptors()
+    assert descs is not None
+    layers = np.array([layer_row(descs[0], descs[1], 0, DTYPES[geo.dtype], geo.element_size, HEADS, DIM,
+                                 geo.num_slots - 1, DTYPES[geo.dtype])], dtype=np.int64)
+    assert layers.shape == (1, LAYER_COLUMNS) and layers[0, L_STEP] == 0
+    qkv = torch.zeros(n, 3 * HEADS * DIM, dtype=dtype)  # the layer's computed K and V, views of one buffer
+    k = qkv[:, HEADS * DIM:2 * HEADS * DIM].view(n, HEADS, DIM)
+    v = qkv[:, 2 * HEADS * DIM:].view(n, HEADS, DIM)
+    k.copy_(geo.k_rows(new_slots))
+    v.copy_(geo.v_rows(new_slots))
+    st = np.array(strides(k, 0, 1, 2) + strides(v, 0, 1, 2) + strides(k, 0, 1, 2) + strides(k, 0, 1, 2),
+                  dtype=np.int64)
+    toks = np.arange(n)
+
+    def run(write: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        fold = Fold(ft, ["g"], n)
+        half = np.zeros((1, n), dtype=np.int64)
+        keep_layer(layers, 0, k.data_ptr() if write else 0, v.data_ptr() if write else 0, 0, 0, st, steps, toks,
+                   half, np.zeros_like(half), np.zeros((0, QUERY_COLUMNS), dtype=np.int64),
+                   np.zeros((1, 2, 2), dtype=np.uint8), *fold.layer(0))
+        return fold.acc[0].copy(), fold.cnt[0].copy(), half[0]
+
+    cache_acc, cache_cnt, _ = run(False)
+    assert (cache_cnt == 2).all() and (cache_acc != 0).all()
+    acc, cnt, half = run(True)
+    assert (acc == cache_acc).all() and (cnt == cache_cnt).all() and (half == 0).all()
+    k[2, 1, 7] += 1  # token 2's computed K differs from the cache: its write check says so, its fold is the cache's
+    acc, cnt, half = run(True)
+    assert half.tolist() == [0, 0, 1, 0, 0]
+    assert (acc == cache_acc).all() and (cnt == cache_cnt).all()
