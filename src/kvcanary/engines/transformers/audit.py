@@ -51,7 +51,9 @@ class CbAudit(EngineAudit):
     def __init__(self, prot: Any) -> None:
         super().__init__(prot, int(prot.model.config.num_attention_heads))
         self.steps: dict[str, Any] = {}
-        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its computed K and V
+        # layer -> its computed K and V, and on the compiled loop their addresses, strides and dtypes, read
+        # in the layer while the tensors are in the CPU's caches (after the forward each read is a miss)
+        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]] = {}
         self.qstash: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}  # layer -> query, output, gathered
         self.layer_group: dict[int, Any] = {}
         self.plans: dict[int, LayerPlan | None] = {}
@@ -170,7 +172,10 @@ class CbAudit(EngineAudit):
                layer_idx: int, kwargs: dict) -> Any:
         """Around the cache update of one layer: keep its computed K and V for the write check."""
         if self.fa is not None and self.write_tokens is not None:
-            self.stash[layer_idx] = (key, value)
+            t0 = time.perf_counter()
+            self.stash[layer_idx] = (key, value, (key.data_ptr(), value.data_ptr(), key.stride(), value.stride(),
+                                                  key.dtype, value.dtype) if self.fused else ())
+            self.charge(time.perf_counter() - t0)
         tap = self.taps.get("update")
         if tap is not None:
             return tap(original, cache, key, value, layer_idx, kwargs)
@@ -232,7 +237,7 @@ class CbAudit(EngineAudit):
     def _write(self, layer: int, info: "_LayerInfo") -> None:
         """One layer's write check with torch ops (the reference; any device)."""
         assert self.write_index is not None
-        k, v = self.stash.pop(layer)
+        k, v, _ = self.stash.pop(layer)
         idx = self.write_index
         slots = self.steps[info.group.name].new_slots[idx]
         self.check_writes(layer, info.group.name, info.geometry, slots, k[0].transpose(0, 1)[idx],
@@ -245,23 +250,24 @@ class CbAudit(EngineAudit):
         assert c is not None
         ptrs = np.zeros((len(c.index), 4), dtype=np.int64)
         st = [0] * STRIDE_COLUMNS
-        k0 = v0 = q0 = o0 = None
+        q0 = o0 = None
         gathered = False
         if writes:
-            for layer, (k, v) in list(self.stash.items()):
-                info = self._layers.get(layer)
-                if info is None:
-                    continue
-                if k0 is None:
-                    k0, v0 = k, v
+            kept = [(layer, m) for layer, (_, _, m) in self.stash.items() if layer in c.index]
+            if kept:
+                first = self.stash[kept[0][0]]
+                ks, vs, dtype = first[2][2], first[2][3], c.cache_dtype
                 # a cast on the way into the cache, or tensors shaped otherwise: the torch comparison
-                if k.dtype != info.geometry.dtype or v.dtype != info.geometry.dtype or k.stride() != k0.stride() \
-                        or v.stride() != v0.stride():  # type: ignore[union-attr]
-                    self._write(layer, info)
-                    continue
-                ptrs[c.index[layer], PTR_K], ptrs[c.index[layer], PTR_V] = k.data_ptr(), v.data_ptr()
-            if k0 is not None and v0 is not None:
-                st[S_K:S_K + 3], st[S_V:S_V + 3] = strides(k0, 2, 1, 3), strides(v0, 2, 1, 3)
+                odd = {layer for layer, m in kept if m[4] != dtype[layer] or m[5] != dtype[layer] or m[2] != ks
+                       or m[3] != vs}
+                for layer in odd:
+                    self._write(layer, self._layers[layer])
+                if odd:
+                    kept = [x for x in kept if x[0] not in odd]
+                rows = [c.index[layer] for layer, _ in kept]
+                ptrs[rows, PTR_K] = [m[0] for _, m in kept]
+                ptrs[rows, PTR_V] = [m[1] for _, m in kept]
+                st[S_K:S_K + 3], st[S_V:S_V + 3] = strides(first[0], 2, 1, 3), strides(first[1], 2, 1, 3)
         if audit:
             for layer, (q, o, gathered) in self.qstash.items():
                 if q0 is None or o0 is None:
@@ -340,6 +346,7 @@ class _Compiled:
         infos = [audit._layers[layer] for layer in self.order]
         self.group_of = [i.group.name for i in infos]
         self.dtype = infos[0].geometry.dtype  # the model's: what its queries and outputs come in
+        self.cache_dtype = {i.layer: i.geometry.dtype for i in infos}  # each layer's cache's
         self.token_bytes = infos[0].geometry.token_bytes
         self.layers = np.array([audit.layer_row(i.geometry, self.groups[i.group.name], self.dtype) for i in infos],
                                dtype=np.int64)
