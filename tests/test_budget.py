@@ -98,3 +98,22 @@ def test_a_request_gets_focus_queries_at_its_first_prefix_hit_and_its_first_deco
     assert audit._focus(["a", "b"], np.array([1, 1]), np.array([16, 25])) == [0]  # a's first decode only
     assert audit._focus(["a", "b"], np.array([1, 1]), np.array([17, 26])) == []
     assert math.isclose(audit.budget.share, 0.01)
+
+
+def test_the_budget_is_the_whole_canary_s_share_the_audit_fills_what_its_other_checks_leave():
+    b = QueryBudget(64, 0.01)
+    for _ in range(WARM):
+        b.plan(0)
+    # 1 % of a 10 ms forward is 100 us: the canary's other checks take 60 us, a query 10 us: 4 queries
+    counts, shares = [], []
+    for _ in range(30):
+        n = b.plan(0)
+        counts.append(n)
+        b.observe(n, n * 10e-6, 10e-3, 60e-6 + n * 10e-6)
+        shares.append((60e-6 + n * 10e-6) / 10e-3)
+    assert counts[-1] == 4 and max(shares[10:]) <= 0.01
+    # other checks above the share: one query a forward, the least the audit takes
+    for _ in range(5):
+        n = b.plan(0)
+        b.observe(n, n * 10e-6, 10e-3, 150e-6 + n * 10e-6)
+    assert b.plan(0) == 1

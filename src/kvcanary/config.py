@@ -70,9 +70,10 @@ class CanaryConfig:
         the verified cache and compared with the engine's, rotating over layers, requests and
         heads), and how many a forward in a new situation audits (:mod:`kvcanary.audit.budget`);
         0 turns the read audit off
-    audit_budget : the share of a forward's wall time the write check and read audit may take on
-        forwards in known situations: each such forward audits as many queries as fit, at least
-        one; ``None``: every audited forward audits ``audit_queries``
+    audit_budget : the share of the run's wall time the canary may take, the write check and read
+        audit included: each audited forward in a known situation audits as many queries as the
+        share leaves after the canary's other work, at least one (:mod:`kvcanary.audit.budget`);
+        ``None``: every audited forward audits ``audit_queries``
     audit_every : the write check and the read audit run on every ``audit_every``-th forward (1, the
         default: on every forward); the rotation carries on where it stopped
     audit_tolerance : the largest accepted error of an audited query, as a fraction of the largest

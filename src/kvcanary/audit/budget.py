@@ -1,14 +1,16 @@
-"""How many queries each forward's read audit recomputes: a share of the forward's time, with more
-where something is new.
+"""How many queries each forward's read audit recomputes: what the canary's share of the run leaves
+after its other checks, with more where something is new.
 
 Every audited forward gets at least one query. On a forward in a known situation the count follows
-the time budget (``CanaryConfig.audit_budget``, a share of the forward's wall time): after each
-forward the audit's measured seconds are set against the forward's and kept as a balance (what the
-audit spent over or under its share, saved up to one forward's share, owed up to ten), and the next
-forward audits as many queries as its share and the balance pay for at the measured seconds per
-query (at most doubling per forward, never above ``CanaryConfig.audit_queries``). The full counts of
-new situations are paid back by smaller counts after them, so over a run the audit keeps to its
-share wherever one query a forward fits in it. A faulty kernel path taken for the first time is where a brief
+the time budget (``CanaryConfig.audit_budget``, the share of the run's wall time the whole canary may
+take): after each forward the canary's measured seconds since the last one (every check, the write
+check and the audit's queries among them) are set against the wall time since then and kept as a
+balance (what the canary spent over or under its share, saved up to one forward's share, owed up to
+ten), and the next forward audits as many queries as its share and the balance pay for, after the
+canary's other work of the last forward, at the measured seconds per query (at most doubling per
+forward, never above ``CanaryConfig.audit_queries``). The full counts of new situations are paid back
+by smaller counts after them, so over a run the canary keeps to its share wherever its other checks
+and one query a forward fit in it; where they do not, the audit takes one query a forward. A faulty kernel path taken for the first time is where a brief
 fault lives, so a forward in a new situation audits the full ``audit_queries``:
 
 - the first :data:`WARM` audited forwards after start;
@@ -43,7 +45,8 @@ class QueryBudget:
     Parameters
     ----------
     queries : the most a forward audits, and what a forward in a new situation audits
-    share : the share of a forward's wall time the audit may take (``None``: always ``queries``)
+    share : the share of the run's wall time the canary may take, its audit included (``None``: always
+        ``queries``)
     """
 
     def __init__(self, queries: int, share: float | None) -> None:
@@ -51,7 +54,7 @@ class QueryBudget:
         self.audited = 0  # forwards planned so far
         self.count = queries if share is None else 1  # this forward's count in a known situation
         self.per_query: float | None = None  # the audit's measured seconds per query (smoothed)
-        self.balance = 0.0  # seconds the audit spent under (+) or over (-) its share so far, bounded
+        self.balance = 0.0  # seconds the canary spent under (+) or over (-) its share so far, bounded
         self.situation: Hashable = None
         self.new = 0  # forwards audited at the full count because their situation was new
 
@@ -65,16 +68,18 @@ class QueryBudget:
         self.new += int(fresh and self.share is not None)
         return n
 
-    def observe(self, queries: int, audit_s: float, forward_s: float) -> None:
-        """After a forward that audited ``queries`` in ``audit_s`` seconds of the audit's own, in a
-        forward of ``forward_s`` seconds: the next known-situation forward's count."""
+    def observe(self, queries: int, audit_s: float, forward_s: float, canary_s: float | None = None) -> None:
+        """After a forward that audited ``queries`` in ``audit_s`` seconds of the audit's own, over
+        ``forward_s`` seconds of wall time in which the canary took ``canary_s`` seconds in all (the
+        audit's among them; ``None``: the audit's only): the next known-situation forward's count."""
         if self.share is None or queries <= 0 or forward_s <= 0 or audit_s < 0:
             return
+        spent = audit_s if canary_s is None else max(canary_s, audit_s)
         per = audit_s / queries
         self.per_query = per if self.per_query is None else (1 - _SMOOTH) * self.per_query + _SMOOTH * per
         allowed = self.share * forward_s
-        self.balance = min(max(self.balance + allowed - audit_s, -10 * allowed), allowed)
-        fits = (allowed + self.balance) / max(self.per_query, 1e-9)
+        self.balance = min(max(self.balance + allowed - spent, -10 * allowed), allowed)
+        fits = (allowed + self.balance - (spent - audit_s)) / max(self.per_query, 1e-9)
         self.count = int(max(1, min(self.queries, fits, GROWTH * max(self.count, 1))))
 
     def stats(self) -> dict[str, int]:

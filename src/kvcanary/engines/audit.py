@@ -63,6 +63,7 @@ class EngineAudit:
         self.budget = QueryBudget(cfg.audit_queries, cfg.audit_budget)
         self.spent = 0.0
         self._opened = 0.0  # when this forward's audit was planned
+        self._last: tuple[float, float] | None = None  # the wall clock and the canary's seconds at the last end
         self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
         self._tokens: tuple[np.ndarray, torch.Tensor] | None = None  # 0 .. n-1 on the host and the device, grown
 
@@ -232,9 +233,17 @@ class EngineAudit:
         self.spent += seconds
 
     def end(self) -> None:
-        """After the forward: the budget learns what this forward's audit cost against the forward."""
+        """After the forward: the budget learns what the canary cost since the last forward's end (its
+        every check, this forward's audit among them) against the wall time since then."""
+        now, canary = time.perf_counter(), float(getattr(self.adapter, "seconds", 0.0))
         if self.fa is not None and self._opened:
-            self.budget.observe(len(self.fa.queries), self.spent, time.perf_counter() - self._opened)
+            last = self._last
+            if last is None:  # the first forward: the audit's own time against the forward's
+                self.budget.observe(len(self.fa.queries), self.spent, now - self._opened)
+            else:  # an engine idle between forwards does not save up time: at most twice the forward's
+                self.budget.observe(len(self.fa.queries), self.spent, min(now - last[0], 2 * (now - self._opened)),
+                                    canary - last[1])
+        self._last = (now, canary)
         self.fa = None
         self._opened = 0.0
 
