@@ -114,6 +114,13 @@ def _differs(a, sa, b, sb, esz, nd):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **JIT)
+def _prefetch_rows(a, nbytes):  # type: ignore[no-untyped-def]
+    """Hint the cache lines of ``nbytes`` contiguous bytes from ``a`` into the caches."""
+    for b in range(0, nbytes + 63, 64):
+        prefetch(min(a + b, a + nbytes - 1))
+
+
+@njit(inline="always", **JIT)
 def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale, softcap, sink, has_sink,
            logits, slots, out, row):  # type: ignore[no-untyped-def]
     """One query's error against attention over positions ``[lo, p]`` of row ``r`` (the cached ones
@@ -122,7 +129,11 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     bs = ck[D_BLOCK]
     n = p - lo + 1
     nd = qv.shape[0]
-    mx = -math.inf
+    # every position's slot first, each K and V row hinted into the caches where it is contiguous: the
+    # rows are in memory (spread over the pool's blocks), and loaded one by one each waits for its own
+    esz = 4 if dt == 0 else 2
+    hint_k = ck[D_DIM_STRIDE] == esz
+    hint_v = cv[D_DIM_STRIDE] == esz
     for j in range(n):
         s = lookup(step, r, lo + j)
         if s < 0 or s > limit:  # no slot (or none in the pool: the canary's verify reports that)
@@ -130,6 +141,15 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
         if shift != 0 and lo + j < cached:
             s = min(max(s + shift * bs, 0), limit)
         slots[j] = s
+        if hint_k:
+            _prefetch_rows(ck[0] + (s // bs) * ck[D_BLOCK_STRIDE] + (s % bs) * ck[D_TOKEN_STRIDE]
+                           + kvh * ck[D_HEAD_STRIDE], nd * esz)
+        if hint_v:
+            _prefetch_rows(cv[0] + (s // bs) * cv[D_BLOCK_STRIDE] + (s % bs) * cv[D_TOKEN_STRIDE]
+                           + kvh * cv[D_HEAD_STRIDE], nd * esz)
+    mx = -math.inf
+    for j in range(n):
+        s = slots[j]
         load_row(ck[0] + (s // bs) * ck[D_BLOCK_STRIDE] + (s % bs) * ck[D_TOKEN_STRIDE] + kvh * ck[D_HEAD_STRIDE],
                  ck[D_DIM_STRIDE], dt, row)
         x = 0.0
@@ -193,13 +213,6 @@ def _check_write(c, ka, va, strides, step, t):  # type: ignore[no-untyped-def]
             hf |= 2
             first = h if first < 0 else first
     return hf, first if first >= 0 else 0
-
-
-@njit(inline="always", **JIT)
-def _prefetch_rows(a, nbytes):  # type: ignore[no-untyped-def]
-    """Hint the cache lines of ``nbytes`` contiguous bytes from ``a`` into the caches."""
-    for b in range(0, nbytes + 63, 64):
-        prefetch(min(a + b, a + nbytes - 1))
 
 
 @njit(inline="always", **JIT)
