@@ -51,9 +51,7 @@ class CbAudit(EngineAudit):
     def __init__(self, prot: Any) -> None:
         super().__init__(prot, int(prot.model.config.num_attention_heads))
         self.steps: dict[str, Any] = {}
-        # layer -> its computed K and V, and on the compiled loop their addresses, strides and dtypes, read
-        # in the layer while the tensors are in the CPU's caches (after the forward each read is a miss)
-        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]] = {}
+        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its computed K and V
         self.qstash: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}  # layer -> query, output, gathered
         self.layer_group: dict[int, Any] = {}
         self.plans: dict[int, LayerPlan | None] = {}
@@ -172,10 +170,7 @@ class CbAudit(EngineAudit):
                layer_idx: int, kwargs: dict) -> Any:
         """Around the cache update of one layer: keep its computed K and V for the write check."""
         if self.fa is not None and self.write_tokens is not None:
-            t0 = time.perf_counter()
-            self.stash[layer_idx] = (key, value, (key.data_ptr(), value.data_ptr(), key.stride(), value.stride(),
-                                                  key.dtype, value.dtype) if self.fused else ())
-            self.charge(time.perf_counter() - t0)
+            self.stash[layer_idx] = (key, value)
         tap = self.taps.get("update")
         if tap is not None:
             return tap(original, cache, key, value, layer_idx, kwargs)
@@ -237,7 +232,7 @@ class CbAudit(EngineAudit):
     def _write(self, layer: int, info: "_LayerInfo") -> None:
         """One layer's write check with torch ops (the reference; any device)."""
         assert self.write_index is not None
-        k, v, _ = self.stash.pop(layer)
+        k, v = self.stash.pop(layer)
         idx = self.write_index
         slots = self.steps[info.group.name].new_slots[idx]
         self.check_writes(layer, info.group.name, info.geometry, slots, k[0].transpose(0, 1)[idx],
@@ -253,10 +248,13 @@ class CbAudit(EngineAudit):
         q0 = o0 = None
         gathered = False
         if writes:
-            kept = [(layer, m) for layer, (_, _, m) in self.stash.items() if layer in c.index]
+            # each layer's addresses, strides and dtypes in one pass (reading them in the cache-update hook
+            # instead, while the tensors are in the CPU's caches, measured dearer in all)
+            kept = [(layer, (k.data_ptr(), v.data_ptr(), k.stride(), v.stride(), k.dtype, v.dtype))
+                    for layer, (k, v) in self.stash.items() if layer in c.index]
             if kept:
                 first = self.stash[kept[0][0]]
-                ks, vs, dtype = first[2][2], first[2][3], c.cache_dtype
+                ks, vs, dtype = kept[0][1][2], kept[0][1][3], c.cache_dtype
                 # a cast on the way into the cache, or tensors shaped otherwise: the torch comparison
                 odd = {layer for layer, m in kept if m[4] != dtype[layer] or m[5] != dtype[layer] or m[2] != ks
                        or m[3] != vs}
