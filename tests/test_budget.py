@@ -117,3 +117,37 @@ def test_the_budget_is_the_whole_canary_s_share_the_audit_fills_what_its_other_c
         n = b.plan(0)
         b.observe(n, n * 10e-6, 10e-3, 150e-6 + n * 10e-6)
     assert b.plan(0) == 1
+
+
+def test_the_audit_sets_the_canary_s_seconds_since_the_last_forward_against_the_wall_time_since(monkeypatch):
+    """EngineAudit.end: the canary's seconds between two forwards' ends (its other checks too) against
+    the wall time between them; an engine idle between forwards saves up nothing for the next."""
+    from types import SimpleNamespace
+
+    from kvcanary import config as cfg
+    from kvcanary.engines import audit as engine_audit
+
+    clock = [100.0]
+    monkeypatch.setattr(engine_audit, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    adapter = SimpleNamespace(config=cfg.CanaryConfig(), seconds=0.0)
+    audit = engine_audit.EngineAudit(adapter, 4)
+    for _ in range(WARM):
+        audit.budget.plan(0)
+
+    def forward(wall: float, other: float, idle: float = 0.0) -> int:
+        """One forward of ``wall`` seconds after ``idle`` ones, the canary's other checks ``other``
+        seconds, each query 10 us: its count."""
+        clock[0] += idle
+        n = audit.budget.plan(0)
+        audit.fa, audit._opened, audit.spent = SimpleNamespace(queries=[0] * n), clock[0], n * 10e-6
+        clock[0] += wall
+        adapter.seconds += other + n * 10e-6
+        audit.end()
+        return n
+
+    counts = [forward(10e-3, 60e-6) for _ in range(30)]
+    assert counts[-1] == 4  # 100 us of a 10 ms forward: 60 us of other checks leave 4 queries
+    # 100 s idle before a forward saves up at most one forward's share, not 1 % of 100 s (which would
+    # pay for 64 queries a forward for a thousand forwards)
+    after = [forward(10e-3, 60e-6, idle=100.0)] + [forward(10e-3, 60e-6) for _ in range(15)]
+    assert max(after) <= 16 and after[-1] == 4
