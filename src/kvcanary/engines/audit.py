@@ -240,9 +240,8 @@ class EngineAudit:
             last = self._last
             if last is None:  # the first forward: the audit's own time against the forward's
                 self.budget.observe(len(self.fa.queries), self.spent, now - self._opened)
-            else:  # an engine idle between forwards does not save up time: at most twice the forward's
-                self.budget.observe(len(self.fa.queries), self.spent, min(now - last[0], 2 * (now - self._opened)),
-                                    canary - last[1])
+            else:  # an idle gap saves up at most one forward's share (the balance's bound)
+                self.budget.observe(len(self.fa.queries), self.spent, now - last[0], canary - last[1])
         self._last = (now, canary)
         self.fa = None
         self._opened = 0.0

@@ -209,6 +209,42 @@ class SourceTable:
         self._tensors = [s.tensor for s in layout.sources]  # keeps the storages alive
 
 
+def slot_base(src_row: np.ndarray, slots: np.ndarray | int) -> np.ndarray | int:
+    """The address of the first byte of each of ``slots`` in the source of table row ``src_row`` (host
+    side; :func:`fold_source` computes the same)."""
+    page, inpage = slots // src_row[A_PS], slots % src_row[A_PS]
+    return (src_row[A_ADDR] + page * src_row[A_PGS] + (inpage // src_row[A_PACK]) * src_row[A_PKS]
+            + (inpage % src_row[A_PACK]) * src_row[A_TKS])
+
+
+@njit(inline="always", **JIT)
+def fold_row(addr, width, keys, k0, n):  # type: ignore[no-untyped-def]
+    """The fingerprint sum of ``n`` contiguous words of ``width`` bytes (8: a wide word, else a narrow
+    element) at ``addr``, word ``p`` keyed by ``keys[k0 + p]``: a run of a slot's wide words
+    (:func:`fold_source`), or a copy of a source's words in another order whose keys were put in that
+    order (:func:`kvcanary.engines.vllm.fold.row_keys`). Arrays over the words and their keys: the
+    loop vectorises (loads through raw addresses do not), about four times as fast."""
+    acc = np.uint64(0)
+    ks = carray(u64_pointer(keys.ctypes.data + 8 * k0), n)
+    if width == 8:
+        c8 = carray(u64_pointer(addr), n)
+        for p in range(n):
+            acc += wmix(c8[p] ^ ks[p])
+    elif width == 2:
+        c2 = carray(u16_pointer(addr), n)
+        for p in range(n):
+            acc += wmix(np.uint64(c2[p]) ^ ks[p])
+    elif width == 4:
+        c4 = carray(u32_pointer(addr), n)
+        for p in range(n):
+            acc += wmix(np.uint64(c4[p]) ^ ks[p])
+    else:
+        c1 = carray(u8_pointer(addr), n)
+        for p in range(n):
+            acc += wmix(np.uint64(c1[p]) ^ ks[p])
+    return acc
+
+
 @njit(inline="always", **JIT)
 def fold_source(src, runs, keys, i, slot):  # type: ignore[no-untyped-def]
     """Source ``i``'s part of one slot's fingerprint (``0 <= slot < num_slots``): its words' sum,
@@ -224,22 +260,19 @@ def fold_source(src, runs, keys, i, slot):  # type: ignore[no-untyped-def]
     width = src[i, A_WIDTH]
     left = src[i, A_WORDS]
     r = src[i, A_RUN0]
-    # the keys through a raw address too: an array index the compiler cannot prove
-    # non-negative keeps the loop scalar (half the speed)
-    kp = keys.ctypes.data + 8 * src[i, A_KEY0]
+    k0 = src[i, A_KEY0]
     if width == 0:
         rw = src[i, A_RUNW]
         while left > 0:
             nw = min(rw, left)
-            # arrays over the run and its keys: their loop vectorises (loads through ld_w64 do not), about
-            # four times as fast; a sum in any order is the same fingerprint
-            words, ks = carray(u64_pointer(base + runs[r]), nw), carray(u64_pointer(kp), nw)
-            for j in range(nw):
-                acc += wmix(words[j] ^ ks[j])
-            kp += 8 * nw
+            acc += fold_row(base + runs[r], 8, keys, k0, nw)  # a run's words are contiguous
+            k0 += nw
             left -= nw
             r += 1
     else:
+        # the keys through a raw address: an array index the compiler cannot prove non-negative
+        # keeps the loop scalar (half the speed)
+        kp = keys.ctypes.data + 8 * k0
         for j in range(left):
             acc += wmix(ld_word(base + runs[r + j], width) ^ ld_w64(kp + 8 * j))
     return acc
@@ -273,34 +306,6 @@ def fold_run(src, runs, keys, i, slot, count, acc):  # type: ignore[no-untyped-d
             c1 = carray(u8_pointer(a), count)
             for t in range(count):
                 acc[t] += wmix(np.uint64(c1[t]) ^ k)
-
-
-@njit(inline="always", **JIT)
-def fold_row(addr, width, keys, k0, n):  # type: ignore[no-untyped-def]
-    """A source's part of one slot's fingerprint from a contiguous copy of its words in another order:
-    ``n`` words of ``width`` bytes (8: a wide word, else a narrow element) at ``addr``, word ``p``
-    keyed by ``keys[k0 + p]`` (the source's keys put in that order,
-    :func:`kvcanary.engines.vllm.fold.row_keys`). The same sum as :func:`fold_source` over the
-    slot's bytes wherever those bytes equal the copy; one loop the compiler vectorises."""
-    acc = np.uint64(0)
-    ks = carray(u64_pointer(keys.ctypes.data + 8 * k0), n)
-    if width == 8:
-        c8 = carray(u64_pointer(addr), n)
-        for p in range(n):
-            acc += wmix(c8[p] ^ ks[p])
-    elif width == 2:
-        c2 = carray(u16_pointer(addr), n)
-        for p in range(n):
-            acc += wmix(np.uint64(c2[p]) ^ ks[p])
-    elif width == 4:
-        c4 = carray(u32_pointer(addr), n)
-        for p in range(n):
-            acc += wmix(np.uint64(c4[p]) ^ ks[p])
-    else:
-        c1 = carray(u8_pointer(addr), n)
-        for p in range(n):
-            acc += wmix(np.uint64(c1[p]) ^ ks[p])
-    return acc
 
 
 RUN_MIN = 4  # neighbouring slots folded together by fold_run (fewer: slot by slot)

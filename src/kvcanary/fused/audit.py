@@ -309,11 +309,13 @@ def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt
     nw = toks.shape[0] if ka != 0 else 0
     hrow, drow = half[lay], head[lay]
     esz, nd = c[L_ESIZE], c[L_DIM]
-    rows = nf > 0 and nw > 0 and f1 <= frow.shape[0]
-    rows = rows and strides[S_K + 2] == esz and strides[S_K + 1] == nd * esz
-    rows = rows and strides[S_V + 2] == esz and strides[S_V + 1] == nd * esz
-    for i in range(f0, f1 if rows else f0):
-        rows = rows and frow[i, 0] >= 0
+    # fold from the computed rows: both contiguous, and every source of the layer keyed in a row's order
+    rows = (nf > 0 and nw > 0 and f1 <= frow.shape[0] and strides[S_K + 2] == esz and strides[S_K + 1] == nd * esz
+            and strides[S_V + 2] == esz and strides[S_V + 1] == nd * esz)
+    if rows:
+        for i in range(f0, f1):
+            if frow[i, 0] < 0:
+                rows = False
     ft = 0
     for i in range(nw):
         t = toks[i]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import carray
 
-from kvcanary.fused._core import (A_ADDR, A_PACK, A_PGS, A_PKS, A_PS, A_RUN0, A_RUNW, A_TKS, A_WIDTH, A_WORDS, JIT,
-                                  SourceTable, i64_pointer, ld_i64, ld_u8, st_i64, st_u8)
+from kvcanary.fused._core import (A_RUN0, A_RUNW, A_WIDTH, A_WORDS, JIT, SourceTable, i64_pointer, ld_i64, ld_u8,
+                                  slot_base, st_i64, st_u8)
 from kvcanary.fused.cache import njit
 
 R_ADDR, R_LEN, R_AT = range(3)  # a region: its address, its length, its offset in the snapshot
@@ -34,8 +34,7 @@ def _spans(table: SourceTable, slots: np.ndarray) -> np.ndarray:
     src, runs = table.src, table.runs
     for i in range(src.shape[0]):
         s = src[i]
-        page, inpage = slots // s[A_PS], slots % s[A_PS]
-        base = s[A_ADDR] + page * s[A_PGS] + (inpage // s[A_PACK]) * s[A_PKS] + (inpage % s[A_PACK]) * s[A_TKS]
+        base = slot_base(s, slots)
         words = int(s[A_WORDS])
         if s[A_WIDTH]:  # a narrow element per word, each at its own run offset
             offs = runs[s[A_RUN0]: s[A_RUN0] + words]

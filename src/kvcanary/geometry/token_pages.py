@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import numpy as np
 import torch
 
 from kvcanary.errors import LayoutError
+from kvcanary.geometry.base import block_slots
 from kvcanary.geometry.strided import HalfStrides, StridedKv
 from kvcanary.layout import KvLayout
 
@@ -80,9 +80,7 @@ class TokenPages:
 
     def block_slots(self, blocks: Iterable[int]) -> torch.Tensor:
         """Every slot of ``blocks`` (sorted when a set), int64 ``[len(blocks) * tokens_per_page]`` on the CPU."""
-        b = np.asarray(sorted(blocks) if isinstance(blocks, (set, frozenset)) else list(blocks), dtype=np.int64)
-        n = self.tokens_per_page  # numpy: a free of a few blocks costs microseconds, not torch's tens
-        return torch.from_numpy((b[:, None] * n + np.arange(n, dtype=np.int64)).reshape(-1))
+        return block_slots(sorted(blocks) if isinstance(blocks, (set, frozenset)) else blocks, self.tokens_per_page)
 
     def layer(self, layer: int) -> StridedKv:
         """Layer ``layer``'s K and V by the canary's slots."""

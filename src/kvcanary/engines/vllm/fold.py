@@ -104,7 +104,7 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     word whose elements are not neighbours in the row). ``src``: the source's row of the source
     table, whose runs and keys are in ``runs`` and ``keys``; ``geometry``: the layer's, which says
     where each element of a slot lies (checked on a few slots)."""
-    from kvcanary.fused._core import A_ADDR, A_KEY0, A_PACK, A_PGS, A_PKS, A_PS, A_RUN0, A_RUNW, A_TKS, A_WIDTH, A_WORDS
+    from kvcanary.fused._core import A_KEY0, A_PS, A_RUN0, A_RUNW, A_WIDTH, A_WORDS, slot_base
 
     esz, heads, dim = geometry.element_size, geometry.num_kv_heads, geometry.head_dim
     width, words = int(src[A_WIDTH]) or 8, int(src[A_WORDS])
@@ -113,13 +113,11 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     j = np.arange(words)
     r0 = int(src[A_RUN0])
     offs = runs[r0 + j] if src[A_WIDTH] else runs[r0 + j // int(src[A_RUNW])] + 8 * (j % int(src[A_RUNW]))
-    ps, pack = int(src[A_PS]), int(src[A_PACK])
+    ps = int(src[A_PS])
     storage = geometry.tensor.untyped_storage().data_ptr()
     pos = None
-    for slot in sorted({0, 1, ps - 1, ps + 1, geometry.num_slots - 1} & set(range(geometry.num_slots))):
-        page, inpage = divmod(slot, ps)
-        base = (int(src[A_ADDR]) - storage + page * int(src[A_PGS]) + (inpage // pack) * int(src[A_PKS])
-                + (inpage % pack) * int(src[A_TKS]))
+    for slot in sorted(s for s in {0, 1, ps - 1, ps + 1, geometry.num_slots - 1} if 0 <= s < geometry.num_slots):
+        base = int(slot_base(src, slot)) - storage
         at = {geometry.element(half, slot, h, d) - base: h * dim + d for h in range(heads) for d in range(dim)}
         first = np.array([at.get(o, -1) for o in offs.tolist()], dtype=np.int64)
         for e in range(1, width // esz):  # a word's elements follow each other in the row

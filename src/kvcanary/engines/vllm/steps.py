@@ -19,6 +19,7 @@ import torch
 
 from kvcanary.engines.block_table import read_starts, step_from_block_table
 from kvcanary.engines.token_book import TokenBook
+from kvcanary.geometry import base as geometry
 from kvcanary.step import Step
 
 
@@ -192,8 +193,7 @@ def written_by(slots: torch.Tensor, writers: torch.Tensor, history: dict[int, li
 def block_slots(blocks: list[int], block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Every slot of ``blocks``, int64 ``[len(blocks) * block_size]`` on ``device`` (the pool's),
     sent without the host waiting."""
-    b = np.asarray(blocks, dtype=np.int64).reshape(-1, 1)
-    slots = torch.from_numpy((b * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1))
+    slots = geometry.block_slots(blocks, block_size)
     if torch.device(device).type == "cpu":
         return slots
     return slots.pin_memory().to(device, non_blocking=True)  # no wait: a step's blocks, on the way to the pool
