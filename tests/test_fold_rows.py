@@ -90,8 +90,8 @@ def test_a_source_of_part_of_a_row_is_not_folded_from_rows() -> None:
     assert row_keys(table.src[0], table.runs, table.keys, geos[0], "v") is None  # K's words are not V's row
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("isa,dtype", [("vec", torch.bfloat16), ("vec", torch.float32), ("amx", torch.bfloat16)])
+def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(isa: str, dtype: torch.dtype) -> None:
     """keep_layer over a forward of 5 new tokens: the sums equal the cache's folds with the rows the
     cache holds, with a row that differs from the cache in one token (that token folded from the
     cache, its write check reporting K), and with the write check off (every token from the cache)."""
@@ -102,7 +102,7 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(dt
     from kvcanary.fused.audit import keep_layer
     from kvcanary.step import Step
 
-    geos, table, names, group = _pool("vec", dtype, layers=1)  # the compiled keep reads strided layouts
+    geos, table, names, group = _pool(isa, dtype, layers=1)
     geo = geos[0]
     ft = fold_tables([group], names, {names[0]: group}, {names[0]: (0, 2)}, {names[0]: geo})
     new_slots = torch.tensor([40, 41, 75, 100, 150])
@@ -140,4 +140,8 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(dt
     k[2, 1, 7] += 1  # token 2's computed K differs from the cache: its write check says so, its fold is the cache's
     acc, cnt, half = run(True)
     assert half.tolist() == [0, 0, 1, 0, 0]
+    assert (acc == cache_acc).all() and (cnt == cache_cnt).all()
+    v[4, 2, DIM - 1] += 1  # and token 4's V, in the last strip of the last head
+    acc, cnt, half = run(True)
+    assert half.tolist() == [0, 0, 1, 0, 2]
     assert (acc == cache_acc).all() and (cnt == cache_cnt).all()

@@ -195,19 +195,19 @@ def test_typed_rows_read_what_the_engine_wrote(case: Case):
 def test_descriptors_address_the_same_elements(case: Case):
     g = case.geometry
     descs = g.descriptors()
-    if isinstance(g, AmxKv):
-        assert descs is None  # tiles: the torch reference reads them
-        return
     assert descs is not None
     base = g.tensor.untyped_storage().data_ptr()
     es = g.element_size
     for half, desc in zip("kv", descs):
-        addr, block, bstride, tstride, hstride, dstride = desc
-        assert block == g.block_size
+        addr, block, bstride, tstride, hstride, dstride, tile, tile_stride, strip, strip_stride = desc
+        assert block == g.block_size and block % tile == 0 and case.dim % strip == 0
+        assert (tile, strip) != (block, case.dim) or not isinstance(g, AmxKv)  # amx: tiles and strips
         for s in range(0, g.num_slots, 3):
+            t = s % block
             for h in range(case.heads):
                 for d in range(case.dim):
-                    at = addr + (s // block) * bstride + (s % block) * tstride + h * hstride + d * dstride
+                    at = (addr + (s // block) * bstride + (t // tile) * tile_stride + (t % tile) * tstride
+                          + h * hstride + (d // strip) * strip_stride + (d % strip) * dstride)
                     assert (at - base) == case.address(half, s, h, d) * es
 
 

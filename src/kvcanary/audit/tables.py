@@ -24,13 +24,16 @@ Q_PICKED, Q_LAYER, Q_ROW, Q_TOKEN, Q_HEAD, Q_KV_HEAD, Q_POSITION, Q_START, Q_CAC
 QUERY_COLUMNS = 11
 
 # the compiled loop's layers: the cache's K and V descriptors (address, block size, block stride,
-# token stride, head stride, dim stride: :meth:`kvcanary.geometry.base.KvGeometry.descriptors`),
-# the row of its step in the step table, the cache's float code, its element size, KV heads, head
-# size, largest slot, and the float code of the layer's queries and outputs
-L_K, L_V = 0, 6  # descriptors: L_K + D_*, L_V + D_*
-D_ADDR, D_BLOCK, D_BLOCK_STRIDE, D_TOKEN_STRIDE, D_HEAD_STRIDE, D_DIM_STRIDE = range(6)
-L_STEP, L_CODE, L_ESIZE, L_HEADS, L_DIM, L_MAX_SLOT, L_QCODE = range(12, 19)
-LAYER_COLUMNS = 19
+# token stride, head stride, dim stride, tile, tile stride, strip, strip stride:
+# :meth:`kvcanary.geometry.base.KvGeometry.descriptors`), the row of its step in the step table, the
+# cache's float code, its element size, KV heads, head size, largest slot, and the float code of the
+# layer's queries and outputs
+D_ADDR, D_BLOCK, D_BLOCK_STRIDE, D_TOKEN_STRIDE, D_HEAD_STRIDE, D_DIM_STRIDE, D_TILE, D_TILE_STRIDE, D_STRIP, \
+    D_STRIP_STRIDE = range(10)
+DESCRIPTOR_COLUMNS = 10
+L_K, L_V = 0, DESCRIPTOR_COLUMNS  # descriptors: L_K + D_*, L_V + D_*
+L_STEP, L_CODE, L_ESIZE, L_HEADS, L_DIM, L_MAX_SLOT, L_QCODE = range(2 * DESCRIPTOR_COLUMNS, 2 * DESCRIPTOR_COLUMNS + 7)
+LAYER_COLUMNS = 2 * DESCRIPTOR_COLUMNS + 7
 
 # each layer's floats, FLOATS_PER_LAYER apart (the sinks' logits follow them)
 F_SCALE, F_SOFTCAP, F_TOL_BASE, F_TOL_SLOPE = range(4)
@@ -50,7 +53,11 @@ def plan_row(picked: int, row: int, token: int, head: int, position: int, window
 
 def layer_row(k: Sequence[int], v: Sequence[int], step: int, code: int, esize: int, heads: int, dim: int,
               max_slot: int, query_code: int) -> list[int]:
-    """One layer's row of the layer table."""
+    """One layer's row of the layer table (``k``, ``v``: descriptors of :data:`DESCRIPTOR_COLUMNS`)."""
+    for half, d in (("K", k), ("V", v)):
+        if len(d) != DESCRIPTOR_COLUMNS or d[D_BLOCK] < 1 or d[D_TILE] < 1 or d[D_STRIP] < 1 or dim % d[D_STRIP]:
+            raise ValueError(f"layer_row: expected a {half} descriptor of {DESCRIPTOR_COLUMNS} columns with a block, "
+                             f"tile and strip of at least 1 and a strip dividing the head size {dim}, got {list(d)}")
     return [*k, *v, step, code, esize, heads, dim, max_slot, query_code]
 
 

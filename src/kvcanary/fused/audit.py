@@ -6,10 +6,13 @@ Descriptors (int64 arrays, byte addresses and byte strides):
 
 - a row tensor (computed K or V, queries, attention outputs): ``(address, token stride, head
   stride, dim stride)``;
-- a cache: ``(address, block size, block stride, token-in-block stride, head stride, dim stride)``;
-  the element (slot ``s``, head ``h``, dim ``d``) lives at ``address + (s // block) * block stride
-  + (s % block) * token stride + h * head stride + d * dim stride`` (transformers' token rows,
-  vLLM's ``vec`` and ``vec16`` layouts).
+- a cache: ``(address, block size, block stride, token-in-block stride, head stride, dim stride,
+  tile, tile stride, strip, strip stride)``; the element (slot ``s``, head ``h``, dim ``d``) lives
+  at ``address + (s // block) * block stride + (t // tile) * tile stride + (t % tile) * token stride
+  + h * head stride + (d // strip) * strip stride + (d % strip) * dim stride``, ``t = s % block``
+  (:func:`slot_at`): at plain strides (transformers' token rows, vLLM's ``vec`` and ``vec16``
+  layouts) a tile is the block and a strip the head; vLLM's ``amx`` layout interleaves 16-token
+  tiles of K and 16-dim strips of V.
 
 Floats are read as fp32 (code 0), bf16 (1) or fp16 (2) and computed in float64; the write check
 compares raw bits (2 or 4 bytes an element). Both equal the torch reference
@@ -26,7 +29,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD_STRIDE, D_TOKEN_STRIDE, F_SCALE,
+from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD_STRIDE, D_STRIP, D_STRIP_STRIDE,
+                                   D_TILE, D_TILE_STRIDE, D_TOKEN_STRIDE, DESCRIPTOR_COLUMNS, F_SCALE,
                                    F_SOFTCAP, F_TOL_BASE, F_TOL_SLOPE, FLOATS_PER_LAYER, L_CODE, L_DIM, L_ESIZE,
                                    L_HEADS, L_K, L_MAX_SLOT, L_QCODE, L_STEP, L_V, LAYER_COLUMNS, PTR_K, PTR_O, PTR_Q,
                                    PTR_V, Q_CACHED, Q_HEAD, Q_KV_HEAD, Q_LAYER, Q_LOCAL, Q_PICKED, Q_POSITION, Q_ROW,
@@ -88,6 +92,23 @@ def load_row(addr, stride, dt, buf):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **JIT)
+def slot_at(cd, s):  # type: ignore[no-untyped-def]
+    """The address of slot ``s``'s element (head 0, dim 0) in the cache of descriptor ``cd``."""
+    bs, tile = cd[D_BLOCK], cd[D_TILE]
+    t = s % bs
+    return cd[0] + (s // bs) * cd[D_BLOCK_STRIDE] + (t // tile) * cd[D_TILE_STRIDE] + (t % tile) * cd[D_TOKEN_STRIDE]
+
+
+@njit(inline="always", **JIT)
+def load_strips(addr, cd, dt, buf):  # type: ignore[no-untyped-def]
+    """A cache row of ``buf.shape[0]`` floats of code ``dt`` (one head of one slot, from ``addr``) into
+    ``buf``, strip by strip (descriptor ``cd``)."""
+    strip = cd[D_STRIP]
+    for i in range(buf.shape[0] // strip):
+        load_row(addr + i * cd[D_STRIP_STRIDE], cd[D_DIM_STRIDE], dt, buf[i * strip:(i + 1) * strip])
+
+
+@njit(inline="always", **JIT)
 def ldbits(addr, esz):  # type: ignore[no-untyped-def]
     if esz == 2:
         return ld_u16(addr)
@@ -99,17 +120,20 @@ def ldbits(addr, esz):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **JIT)
-def _differs(a, sa, b, sb, esz, nd):  # type: ignore[no-untyped-def]
-    """Whether ``nd`` elements of ``esz`` bytes at ``a`` (stride ``sa``) and ``b`` (stride ``sb``) differ
-    in any bit; 8 bytes at a time where both runs are contiguous."""
-    if sa == esz and sb == esz and (nd * esz) % 8 == 0:
+def _differs(a, sa, b, cd, esz, nd):  # type: ignore[no-untyped-def]
+    """Whether ``nd`` elements of ``esz`` bytes at ``a`` (stride ``sa``) and a cache row at ``b``
+    (descriptor ``cd``'s strips) differ in any bit; 8 bytes at a time where both are contiguous."""
+    sb, strip = cd[D_DIM_STRIDE], cd[D_STRIP]
+    if sa == esz and sb == esz and strip == nd and (nd * esz) % 8 == 0:
         for w in range(nd * esz // 8):
             if ld_i64(a + 8 * w) != ld_i64(b + 8 * w):
                 return True
         return False
-    for d in range(nd):
-        if ldbits(a + d * sa, esz) != ldbits(b + d * sb, esz):
-            return True
+    for i in range(nd // strip):
+        ai, bi = a + i * strip * sa, b + i * cd[D_STRIP_STRIDE]
+        for d in range(strip):
+            if ldbits(ai + d * sa, esz) != ldbits(bi + d * sb, esz):
+                return True
     return False
 
 
@@ -132,8 +156,8 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     # every position's slot first, each K and V row hinted into the caches where it is contiguous: the
     # rows are in memory (spread over the pool's blocks), and loaded one by one each waits for its own
     esz = 4 if dt == 0 else 2
-    hint_k = ck[D_DIM_STRIDE] == esz
-    hint_v = cv[D_DIM_STRIDE] == esz
+    hint_k = ck[D_DIM_STRIDE] == esz and ck[D_STRIP] == nd
+    hint_v = cv[D_DIM_STRIDE] == esz and cv[D_STRIP] == nd
     for j in range(n):
         s = lookup(step, r, lo + j)
         if s < 0 or s > limit:  # no slot (or none in the pool: the canary's verify reports that)
@@ -142,16 +166,13 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
             s = min(max(s + shift * bs, 0), limit)
         slots[j] = s
         if hint_k:
-            _prefetch_rows(ck[0] + (s // bs) * ck[D_BLOCK_STRIDE] + (s % bs) * ck[D_TOKEN_STRIDE]
-                           + kvh * ck[D_HEAD_STRIDE], nd * esz)
+            _prefetch_rows(slot_at(ck, s) + kvh * ck[D_HEAD_STRIDE], nd * esz)
         if hint_v:
-            _prefetch_rows(cv[0] + (s // bs) * cv[D_BLOCK_STRIDE] + (s % bs) * cv[D_TOKEN_STRIDE]
-                           + kvh * cv[D_HEAD_STRIDE], nd * esz)
+            _prefetch_rows(slot_at(cv, s) + kvh * cv[D_HEAD_STRIDE], nd * esz)
     mx = -math.inf
     for j in range(n):
         s = slots[j]
-        load_row(ck[0] + (s // bs) * ck[D_BLOCK_STRIDE] + (s % bs) * ck[D_TOKEN_STRIDE] + kvh * ck[D_HEAD_STRIDE],
-                 ck[D_DIM_STRIDE], dt, row)
+        load_strips(slot_at(ck, s) + kvh * ck[D_HEAD_STRIDE], ck, dt, row)
         x = 0.0
         for d in range(nd):
             x += qv[d] * row[d]
@@ -174,8 +195,7 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
     vmax = 0.0
     for j in range(n):
         s = slots[j]
-        load_row(cv[0] + (s // bs) * cv[D_BLOCK_STRIDE] + (s % bs) * cv[D_TOKEN_STRIDE] + kvh * cv[D_HEAD_STRIDE],
-                 cv[D_DIM_STRIDE], dt, row)
+        load_strips(slot_at(cv, s) + kvh * cv[D_HEAD_STRIDE], cv, dt, row)
         w = logits[j] / den
         for d in range(nd):
             out[d] += w * row[d]
@@ -198,18 +218,17 @@ def _check_write(c, ka, va, strides, step, t):  # type: ignore[no-untyped-def]
     if s < 0:
         return 0, 0
     esz, nh, nd = c[L_ESIZE], c[L_HEADS], c[L_DIM]
-    kbs, vbs = c[L_K + D_BLOCK], c[L_V + D_BLOCK]
-    kb = c[L_K] + (s // kbs) * c[L_K + D_BLOCK_STRIDE] + (s % kbs) * c[L_K + D_TOKEN_STRIDE]
-    vb = c[L_V] + (s // vbs) * c[L_V + D_BLOCK_STRIDE] + (s % vbs) * c[L_V + D_TOKEN_STRIDE]
+    ck, cv = c[L_K:L_K + DESCRIPTOR_COLUMNS], c[L_V:L_V + DESCRIPTOR_COLUMNS]
+    kb, vb = slot_at(ck, s), slot_at(cv, s)
     hf = 0
     first = -1
     for h in range(nh):
-        if _differs(ka + t * strides[S_K] + h * strides[S_K + 1], strides[S_K + 2], kb + h * c[L_K + D_HEAD_STRIDE],
-                    c[L_K + D_DIM_STRIDE], esz, nd):
+        if _differs(ka + t * strides[S_K] + h * strides[S_K + 1], strides[S_K + 2], kb + h * ck[D_HEAD_STRIDE], ck,
+                    esz, nd):
             hf |= 1
             first = h if first < 0 else first
-        if _differs(va + t * strides[S_V] + h * strides[S_V + 1], strides[S_V + 2], vb + h * c[L_V + D_HEAD_STRIDE],
-                    c[L_V + D_DIM_STRIDE], esz, nd):
+        if _differs(va + t * strides[S_V] + h * strides[S_V + 1], strides[S_V + 2], vb + h * cv[D_HEAD_STRIDE], cv,
+                    esz, nd):
             hf |= 2
             first = h if first < 0 else first
     return hf, first if first >= 0 else 0
@@ -222,20 +241,19 @@ def _prefetch_writes(c, ka, va, strides, step, toks):  # type: ignore[no-untyped
     each waits for its own lines; hinted first, their loads overlap."""
     esz, nh, nd = c[L_ESIZE], c[L_HEADS], c[L_DIM]
     n = nd * esz
-    if c[L_K + D_DIM_STRIDE] != esz or c[L_V + D_DIM_STRIDE] != esz or strides[S_K + 2] != esz \
-            or strides[S_V + 2] != esz:
+    ck, cv = c[L_K:L_K + DESCRIPTOR_COLUMNS], c[L_V:L_V + DESCRIPTOR_COLUMNS]
+    if ck[D_DIM_STRIDE] != esz or cv[D_DIM_STRIDE] != esz or ck[D_STRIP] != nd or cv[D_STRIP] != nd \
+            or strides[S_K + 2] != esz or strides[S_V + 2] != esz:
         return
-    kbs, vbs = c[L_K + D_BLOCK], c[L_V + D_BLOCK]
     for i in range(toks.shape[0]):
         t = toks[i]
         s = rd(step, NS, t)
         if s < 0:
             continue
-        kb = c[L_K] + (s // kbs) * c[L_K + D_BLOCK_STRIDE] + (s % kbs) * c[L_K + D_TOKEN_STRIDE]
-        vb = c[L_V] + (s // vbs) * c[L_V + D_BLOCK_STRIDE] + (s % vbs) * c[L_V + D_TOKEN_STRIDE]
+        kb, vb = slot_at(ck, s), slot_at(cv, s)
         for h in range(nh):
-            _prefetch_rows(kb + h * c[L_K + D_HEAD_STRIDE], n)
-            _prefetch_rows(vb + h * c[L_V + D_HEAD_STRIDE], n)
+            _prefetch_rows(kb + h * ck[D_HEAD_STRIDE], n)
+            _prefetch_rows(vb + h * cv[D_HEAD_STRIDE], n)
             _prefetch_rows(ka + t * strides[S_K] + h * strides[S_K + 1], n)
             _prefetch_rows(va + t * strides[S_V] + h * strides[S_V + 1], n)
 
@@ -394,7 +412,7 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
         if qa == 0:
             continue
         nd, dq = c[L_DIM], c[L_QCODE]
-        ck, cv, step = c[L_K:L_K + 6], c[L_V:L_V + 6], steps[c[L_STEP]]
+        ck, cv, step = c[L_K:L_K + DESCRIPTOR_COLUMNS], c[L_V:L_V + DESCRIPTOR_COLUMNS], steps[c[L_STEP]]
         f0 = FLOATS_PER_LAYER * lay
         scale, softcap = fl[f0 + F_SCALE], fl[f0 + F_SOFTCAP]
         base, slope = fl[f0 + F_TOL_BASE], fl[f0 + F_TOL_SLOPE]

@@ -85,8 +85,12 @@ class KvGeometry(ABC):
 
     def descriptors(self) -> tuple[list[int], list[int]] | None:
         """The compiled loops' descriptors of K and V, ``[address, block_size, block stride, token
-        stride, head stride, dim stride]`` (bytes; :mod:`kvcanary.fused.audit`), or ``None`` where the
-        layer is not laid out at strides (the torch reference reads it)."""
+        stride, head stride, dim stride, tile, tile stride, strip, strip stride]`` (bytes;
+        :mod:`kvcanary.fused.audit`): token ``t`` of a block starts ``(t // tile) * tile stride + (t %
+        tile) * token stride`` into it, dim ``d`` of a head ``(d // strip) * strip stride + (d % strip)
+        * dim stride`` into the head's row (a layout at plain strides: ``tile = block_size``, ``strip =
+        head_dim``, both their strides 0); ``None`` where no such descriptor places the layer's
+        elements (the torch reference reads it)."""
         return None
 
     @abstractmethod

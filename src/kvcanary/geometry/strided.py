@@ -89,7 +89,7 @@ class StridedKv(KvGeometry):
     def descriptors(self) -> tuple[list[int], list[int]]:
         base = self.tensor.untyped_storage().data_ptr()
         return tuple([base + st.offset, self.block_size, st.block_stride, st.token_stride, st.head_stride,  # type: ignore[return-value]
-                      st.dim_stride] for st in (self.k, self.v))
+                      st.dim_stride, self.block_size, 0, self.head_dim, 0] for st in (self.k, self.v))
 
     def element(self, half: str, slot: int, head: int, dim: int) -> int:
         st = self.strides(half)

@@ -86,6 +86,12 @@ class AmxKv(KvGeometry):
         at += self.block_size * self.head_dim * 2
         return at + (dim // 16) * 32 * self.block_size + (t // 2) * 64 + (dim % 16) * 4 + (t % 2) * 2
 
+    def descriptors(self) -> tuple[list[int], list[int]]:
+        # K: 16-token tiles of 4-byte pairs (d, d + 1); V: 16-dim strips of 2-token pairs
+        at, d, bs = self.tensor.untyped_storage().data_ptr() + self.base, self.head_dim, self.block_size
+        return ([at, bs, self.block_stride, 4, self.head_stride, 2, AMX_PACK_K, 32 * d, 2, 64],
+                [at + 2 * bs * d, bs, self.block_stride, 2, self.head_stride, 4, AMX_PACK_V, 64, 16, 32 * bs])
+
     def sources(self, name: str) -> tuple[ByteSource, ByteSource]:
         es, h, d, bs = 2, self.num_kv_heads, self.head_dim, self.block_size
         k = runs([(h, self.head_stride), (d // 2, 64)], 4, 4)  # pairs (d, d + 1), 16 tokens apart
