@@ -146,3 +146,34 @@ def test_layers_the_audit_cannot_wrap_are_counted_and_said_once(caplog):
     cpu_only = VllmAudit(SimpleNamespace(config=CanaryConfig(mode="log")), 4)
     cpu_only.say_skipped({})
     assert cpu_only.stats()["audit_layers_skipped"] == 0 and not caplog.records
+
+
+def test_layers_the_compiled_loops_cannot_read_are_counted_and_said_once(caplog):
+    """A compiled canary's layer whose cache has no descriptor for the compiled loops (or a dtype they
+    do not compute in) is checked by the torch path, several times slower: counted, and said once."""
+    from types import SimpleNamespace
+
+    from kvcanary.engines.vllm.audit import VllmAudit
+    from kvcanary.geometry.vllm_cpu import vllm_cpu
+
+    def audit_over(geometries, backend="fused"):
+        audit = VllmAudit(SimpleNamespace(config=CanaryConfig(mode="log")), 4)
+        group = SimpleNamespace(canary=SimpleNamespace(backend=backend))
+        for i, geo in enumerate(geometries):
+            name = f"model.layers.{i}.self_attn.attn"
+            audit.groups[name], audit.geometry[name] = group, geo
+        audit.say_torch_layers()
+        return audit
+
+    def cache(dtype):
+        return torch.zeros(4, 2, 32, 2 * 32, dtype=dtype)
+
+    readable = [vllm_cpu(cache(torch.bfloat16), isa, 32, 2, 32) for isa in ("vec", "amx")]
+    slow = vllm_cpu(cache(torch.float8_e5m2), "vec", 32, 2, 32)  # an fp8 cache: no compiled loop computes in it
+    with caplog.at_level("WARNING", logger="kvcanary"):
+        assert audit_over(readable).stats()["audit_layers_torch"] == 0 and not caplog.records
+        assert audit_over([*readable, slow]).stats()["audit_layers_torch"] == 1
+    said = [r.getMessage() for r in caplog.records if "audit_layers_torch" in r.getMessage()]
+    assert len(said) == 1 and "1 layer(s) (StridedKv in torch.float8_e5m2)" in said[0]
+    caplog.clear()
+    assert audit_over([slow], backend="torch").stats()["audit_layers_torch"] == 0 and not caplog.records

@@ -110,6 +110,7 @@ class VllmAudit(EngineAudit):
         self._step_descs: dict[str, np.ndarray] = {}
         self._strides: dict[tuple[Any, ...], np.ndarray] = {}
         self.skipped = 0  # covered layers the per-layer wrapper does not reach (GPU backends)
+        self.torch_layers = 0  # covered layers of a compiled canary whose cache the compiled loops cannot read
         self.one_call = 0  # forwards whose queries were checked in one call after the forward
         self._wide: WideForward | None = None  # this forward's checks, kept for one compiled call after it
         # by the live groups: the covered layers, their layer table, floats and rows
@@ -132,6 +133,21 @@ class VllmAudit(EngineAudit):
                     self.index[name] = int(found.group(1)) if found else len(self.index)
                     self.geometry[name] = geometry[name]
                     REGISTRY[name] = self
+        self.say_torch_layers()
+
+    def say_torch_layers(self) -> None:
+        """Say once, at start, which covered layers of a compiled (``fused``) canary are checked by the
+        torch path: their cache has no descriptor the compiled loops read
+        (:meth:`~kvcanary.geometry.base.KvGeometry.descriptors`) or a dtype they do not compute in.
+        That path costs several times the compiled one (about 20 % of a trained model's run)."""
+        slow = [n for n, g in self.groups.items() if g.canary.backend == "fused"
+                and (self.geometry[n].descriptors() is None or self.geometry[n].dtype not in DTYPES)]
+        self.torch_layers = len(slow)
+        if slow:
+            kinds = sorted({f"{type(self.geometry[n]).__name__} in {self.geometry[n].dtype}" for n in slow})
+            log.warning("kvcanary: the compiled write check and read audit cannot read the cache of %d layer(s) (%s); "
+                        "they are checked in torch, several times slower (stats: audit_layers_torch)", len(slow),
+                        ", ".join(kinds))
 
     def say_skipped(self, layers: dict[str, str]) -> None:
         """Say once, at start, which covered layers run without the write check and read audit
@@ -349,7 +365,7 @@ class VllmAudit(EngineAudit):
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "audit_forwards_one_call": self.one_call, "audit_layers_skipped": self.skipped,
-                "content_folded_in_layers": self.folded}
+                "audit_layers_torch": self.torch_layers, "content_folded_in_layers": self.folded}
 
     def close(self) -> None:
         for name in [n for n, a in REGISTRY.items() if a is self]:
