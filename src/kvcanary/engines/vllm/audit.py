@@ -94,6 +94,12 @@ class _Layer:
     sink_logits: np.ndarray | None
 
 
+def compiled_reads(geometry: KvGeometry) -> bool:
+    """Whether the compiled loops read this layer's cache: a descriptor places its elements
+    (:meth:`~kvcanary.geometry.base.KvGeometry.descriptors`) and its dtype is one they compute in."""
+    return geometry.dtype in DTYPES and geometry.descriptors() is not None
+
+
 class VllmAudit(EngineAudit):
     """The write check and read audit of one worker's connector."""
 
@@ -140,8 +146,8 @@ class VllmAudit(EngineAudit):
         torch path: their cache has no descriptor the compiled loops read
         (:meth:`~kvcanary.geometry.base.KvGeometry.descriptors`) or a dtype they do not compute in.
         That path costs several times the compiled one (about 20 % of a trained model's run)."""
-        slow = [n for n, g in self.groups.items() if g.canary.backend == "fused"
-                and (self.geometry[n].descriptors() is None or self.geometry[n].dtype not in DTYPES)]
+        slow = [n for n, g in self.groups.items()
+                if g.canary.backend == "fused" and not compiled_reads(self.geometry[n])]
         self.torch_layers = len(slow)
         if slow:
             kinds = sorted({f"{type(self.geometry[n]).__name__} in {self.geometry[n].dtype}" for n in slow})
@@ -305,7 +311,6 @@ class VllmAudit(EngineAudit):
         window = impl.sliding_window if impl.sliding_window and impl.sliding_window > 0 else None
         sinks = impl.sinks.detach() if getattr(impl, "sinks", None) is not None else None
         softcap = impl.logits_soft_cap if impl.logits_soft_cap else None
-        fused = g.canary.backend == "fused" and self.geometry[name].descriptors() is not None
         scale, tol = float(impl.scale), self.auditor.tolerance_for(query_dtype)
         return _Layer(
             number=self.index[name], checked=getattr(impl, "attn_type", None) == AttentionType.DECODER,
@@ -313,7 +318,8 @@ class VllmAudit(EngineAudit):
             # a layer whose window is not its group's is not audited, nor ALiBi
             audited=getattr(impl, "alibi_slopes", None) is None and window == g.plan.window,
             heads=impl.num_heads, rep=impl.num_heads // impl.num_kv_heads, scale=scale, softcap=softcap, sinks=sinks,
-            tol=tol, dtype=kv_cache.dtype, compiled=fused and kv_cache.dtype in DTYPES,
+            tol=tol, dtype=kv_cache.dtype,
+            compiled=g.canary.backend == "fused" and compiled_reads(self.geometry[name]),
             floats=floats([(scale, softcap or 0.0, *tol)]),
             sink_logits=None if sinks is None else sinks.float().numpy())
 
