@@ -39,8 +39,10 @@ STAGES = [
     ("kvcanary.engines.vllm.audit", "VllmAudit", "check_layer", "per-layer checks (write check, read audit)"),
     ("kvcanary.engines.audit", "EngineAudit", "run_compiled", "  compiled call"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.model_positions", "__wrapped__", "position check"),
-    ("kvcanary.engines.vllm.wide", "WideForward", "keep", "per-layer keep (write check, audited rows copied)"),
-    ("", "", "", "  compiled keep call (write check, fold, rows copied)"),
+    ("kvcanary.engines.vllm.audit", "VllmAudit", "layer", "per-layer wrapper (the engine's attention excluded)"),
+    ("kvcanary.engines.vllm.wide", "WideForward", "before", "  before attention (write check, fold)"),
+    ("", "", "", "    compiled call (write check, fold)"),
+    ("kvcanary.engines.vllm.wide", "WideForward", "keep", "  after attention (audited rows copied)"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.after_forward", "__wrapped__", "after-forward hook"),
     ("kvcanary.engines.vllm.audit", "VllmAudit", "finish", "  read audit after the forward (one call)"),
     ("kvcanary.canary", "Canary", "after_forward", "  canary.after_forward (stamp, guard, patrol)"),
@@ -50,10 +52,11 @@ STAGES = [
     ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "update_state_after_alloc", "scheduler: after alloc"),
     ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "request_finished", "scheduler: request finished"),
 ]
-CANARY = ("before-forward hook", "position check", "per-layer checks (write check, read audit)",
-          "per-layer keep (write check, audited rows copied)", "after-forward hook")
-PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call",
-            "per-layer keep (write check, audited rows copied)", "  compiled keep call (write check, fold, rows copied)")
+WRAPPER = "per-layer wrapper (the engine's attention excluded)"
+CANARY = ("before-forward hook", "position check", WRAPPER, "after-forward hook")
+PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call", WRAPPER,
+            "  before attention (write check, fold)", "    compiled call (write check, fold)",
+            "  after attention (audited rows copied)")
 
 
 def _install(spent: dict[str, float], calls: dict[str, int]) -> None:
@@ -89,10 +92,22 @@ def _install(spent: dict[str, float], calls: dict[str, int]) -> None:
 
         def wrapper(*a: Any, _fn: Any = fn, _stage: str = stage, **k: Any) -> Any:
             t = time.perf_counter()
+            inner = [0.0]
+            if _stage == WRAPPER:  # VllmAudit.layer(self, original, ...): the engine's attention left out
+                original = a[1]
+
+                def attention(*aa: Any, **kk: Any) -> Any:
+                    t1 = time.perf_counter()
+                    try:
+                        return original(*aa, **kk)
+                    finally:
+                        inner[0] += time.perf_counter() - t1
+
+                a = (a[0], attention, *a[2:])
             try:
                 return _fn(*a, **k)
             finally:
-                spent[_stage] += time.perf_counter() - t
+                spent[_stage] += time.perf_counter() - t - inner[0]
                 calls[_stage] += 1
 
         setattr(obj, attr, wrapper)

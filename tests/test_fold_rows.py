@@ -95,11 +95,11 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
     """keep_layer over a forward of 5 new tokens: the sums equal the cache's folds with the rows the
     cache holds, with a row that differs from the cache in one token (that token folded from the
     cache, its write check reporting K), and with the write check off (every token from the cache)."""
-    from kvcanary.audit.tables import LAYER_COLUMNS, QUERY_COLUMNS, L_STEP, layer_row, strides
+    from kvcanary.audit.tables import LAYER_COLUMNS, L_STEP, layer_row, strides
     from kvcanary.audit.reference import DTYPES
     from kvcanary.engines.vllm.fold import Fold, fold_tables
     from kvcanary.fused._step import describe
-    from kvcanary.fused.audit import keep_layer
+    from kvcanary.fused.audit import keep_layer, keep_layer_at, keep_tables
     from kvcanary.step import Step
 
     geos, table, names, group = _pool(isa, dtype, layers=1)
@@ -126,12 +126,22 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
     toks = np.arange(n)
 
     def run(write: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        fold = Fold(ft, ["g"], n)
-        half = np.zeros((1, n), dtype=np.int64)
-        keep_layer(layers, 0, k.data_ptr() if write else 0, v.data_ptr() if write else 0, 0, 0, st, steps, toks,
-                   half, np.zeros_like(half), np.zeros((0, QUERY_COLUMNS), dtype=np.int64),
-                   np.zeros((1, 2, 2), dtype=np.uint8), *fold.layer(0))
-        return fold.acc[0].copy(), fold.cnt[0].copy(), half[0]
+        got = []
+        for by_address in (False, True):  # keep_layer, and keep_layer_at over the same tables: the same results
+            fold = Fold(ft, ["g"], n)
+            half = np.zeros((1, n), dtype=np.int64)
+            head = np.full_like(half, -1)
+            ka, va = (k.data_ptr(), v.data_ptr()) if write else (0, 0)
+            if by_address:
+                keep_layer_at(keep_tables(layers, st, steps, toks, half, head, *fold.layer(0)), 0, ka, va)
+            else:
+                keep_layer(layers, 0, ka, va, st, steps, toks, half, head, *fold.layer(0))
+            got.append((fold.acc[0].copy(), fold.cnt[0].copy(), half[0], head[0]))
+        (acc, cnt, half, head), again = got
+        assert all((a == b).all() for a, b in zip(got[0], again))
+        if not write:  # no write check: its rows untouched
+            assert (head == -1).all() and (half == 0).all()
+        return acc, cnt, half
 
     cache_acc, cache_cnt, _ = run(False)
     assert (cache_cnt == 2).all() and (cache_acc != 0).all()
@@ -145,3 +155,23 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
     acc, cnt, half = run(True)
     assert half.tolist() == [0, 0, 1, 0, 2]
     assert (acc == cache_acc).all() and (cnt == cache_cnt).all()
+
+
+def test_keep_tables_refuses_a_table_of_another_dtype_shape_or_count() -> None:
+    """keep_layer_at reads its tables through raw addresses: keep_tables checks each one first and names
+    the one that is wrong."""
+    from kvcanary.fused.audit import KEEP_TABLES, keep_tables
+
+    good = [np.zeros((2, 3) if nd == 2 else 3, dtype=dt) for _, nd, dt in KEEP_TABLES]
+    at = keep_tables(*good)
+    assert at.shape == (3 * len(KEEP_TABLES),) and at[3 * 4 + 1:3 * 4 + 3].tolist() == [2, 3]
+    with pytest.raises(ValueError, match="expected 14 tables"):
+        keep_tables(*good[:-1])
+    bad = list(good)
+    bad[8] = np.zeros(3, dtype=np.int64)  # fkeys are uint64
+    with pytest.raises(ValueError, match="fkeys must be a C-contiguous 1-d uint64 array, got 1-d int64"):
+        keep_tables(*bad)
+    bad = list(good)
+    bad[4] = np.zeros((3, 2), dtype=np.int64).T  # half: not C-contiguous
+    with pytest.raises(ValueError, match="half must be a C-contiguous 2-d int64"):
+        keep_tables(*bad)

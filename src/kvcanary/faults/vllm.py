@@ -22,11 +22,11 @@ forward (each fires once, at the ``at``-th forward or the first later one where 
   cache, found by the patrol scrub before a later prefix hit would serve it).
 
 Attention-kernel and cache-write faults, which the write check and the read audit
-(:mod:`kvcanary.engines.vllm.audit`) exist for; each wraps the first layer's attention from the
-forward it is injected in on, as a kernel bug does, leaving the tables and stamps right:
+(:mod:`kvcanary.engines.vllm.audit`) exist for; each wraps the first layer's attention (or its cache
+write) from the forward it is injected in on, as a kernel bug does, leaving the tables and stamps right:
 
 - ``kernel_read_next_page``: the kernel reads one request's cached blocks one page too far;
-- ``kernel_write_zeros``: the cache write of the layer lands zeros;
+- ``kernel_write_zeros``: the cache write of the layer (``do_kv_cache_update``) lands zeros;
 - ``kernel_scale_of_one``: the kernel applies a softmax scale of 1 instead of the model's.
 
 ``position_shift`` gives one request's tokens positions one too far in the model forward of one
@@ -279,6 +279,22 @@ def _tap(fn: Any) -> None:
     vllm_audit.TAPS["forward"] = fn
 
 
+_UPDATE: dict[str, Any] = {}  # vLLM's own cache write, once wrapped
+
+
+def _tap_update(fn: Any) -> None:
+    """Wrap every layer's cache write (``CPUAttentionBackendImpl.do_kv_cache_update``, which runs
+    before the layer's attention) as ``fn(original, impl, layer, key, value, kv_cache, slot_mapping)``."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    original = _UPDATE.setdefault("update", CPUAttentionBackendImpl.do_kv_cache_update)
+
+    def update(impl: Any, lay: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> Any:
+        return fn(original, impl, lay, key, value, kv_cache, slot_mapping)
+
+    CPUAttentionBackendImpl.do_kv_cache_update = update
+
+
 def kernel_read_next_page(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -> bool:
     import dataclasses
 
@@ -313,15 +329,15 @@ def kernel_write_zeros(conn: Any, md: Any, meta: Any, rng: random.Random, detail
         return False
     geom = conn.geometry[layer]
 
-    def tap(original: Any, impl: Any, lay: Any, q: Any, k: Any, v: Any, kv: Any, m: Any, out: Any, *a: Any, **kw: Any) -> Any:
-        if lay.layer_name == layer:  # the write just ran: its rows become zeros before attention reads them
-            slots = m.slot_mapping[: int(m.num_actual_tokens)].long()
+    def tap(original: Any, impl: Any, lay: Any, key: Any, value: Any, kv: Any, slot_mapping: Any) -> Any:
+        original(impl, lay, key, value, kv, slot_mapping)
+        if lay.layer_name == layer:  # the write lands zeros where it wrote
+            slots = slot_mapping.long()
             slots = slots[slots >= 0]
             geom.set_rows("k", slots, 0)
             geom.set_rows("v", slots, 0)
-        return original(impl, lay, q, k, v, kv, m, out, *a, **kw)
 
-    _tap(tap)
+    _tap_update(tap)
     detail.update(layer=layer)
     return True
 
@@ -384,6 +400,8 @@ def canary_fails(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict
 
     # the compiled loops of the write check and read audit, inside and after each layer's forward
     fused_audit.keep_layer = boom
+    fused_audit.keep_layer_at = boom
+    fused_audit.keep_queries = boom
     fused_audit.check_forward = boom
     KvCanaryConnector.model_positions.__wrapped__ = boom  # type: ignore[attr-defined]
     detail.update(failing=["write check and read audit", "position check"])

@@ -129,23 +129,29 @@ def _warm_up() -> None:
 
 
 def _warm_audit(desc: Any) -> None:
-    """The write check and read audit's loop (:func:`kvcanary.fused.audit.check_forward`) with the
-    tables both engine adapters pass (:meth:`kvcanary.engines.audit.EngineAudit.run_compiled`), empty:
-    their types, not their sizes or the cache's dtype, make its one signature."""
+    """The write check and read audit's loops with the tables the engine adapters pass, empty: their
+    types, not their sizes or the cache's dtype, make each one's signature. The one call
+    (:func:`kvcanary.fused.audit.check_forward`, :meth:`kvcanary.engines.audit.EngineAudit.run_compiled`)
+    and vLLM's per-layer ones (:func:`~kvcanary.fused.audit.keep_layer` and
+    :func:`~kvcanary.fused.audit.keep_layer_at` before a layer's attention,
+    :func:`~kvcanary.fused.audit.keep_queries` after it)."""
     import numpy as np
 
     from kvcanary.audit.tables import LAYER_COLUMNS, QUERY_COLUMNS, STRIDE_COLUMNS
     from kvcanary.fused._core import NUM_SRC_FIELDS
-    from kvcanary.fused.audit import check_forward, keep_layer
+    from kvcanary.fused.audit import check_forward, keep_layer, keep_layer_at, keep_queries, keep_tables
 
     layers = np.zeros((0, LAYER_COLUMNS), dtype=np.int64)
     half = np.zeros((0, 0), dtype=np.int64)
-    keep_layer(np.zeros((1, LAYER_COLUMNS), dtype=np.int64), 0, 0, 0, 0, 0, np.zeros(STRIDE_COLUMNS, dtype=np.int64),
-               desc[None], np.zeros(0, dtype=np.int64), half, np.zeros_like(half),
-               np.zeros((0, QUERY_COLUMNS), dtype=np.int64), np.zeros((1, 2, 2), dtype=np.uint8),
-               np.zeros((0, NUM_SRC_FIELDS), dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.uint64),
-               np.zeros((1, 2), dtype=np.int64), np.zeros((0, 3), dtype=np.int64), np.zeros(1, dtype=np.uint64),
-               np.zeros((0, 0), dtype=np.uint64), np.zeros((0, 0), dtype=np.int64))
+    one = np.zeros((1, LAYER_COLUMNS), dtype=np.int64)
+    tables = (one, np.zeros(STRIDE_COLUMNS, dtype=np.int64), desc[None], np.zeros(0, dtype=np.int64), half,
+              np.zeros_like(half), np.zeros((0, NUM_SRC_FIELDS), dtype=np.int64), np.zeros(1, dtype=np.int64),
+              np.zeros(1, dtype=np.uint64), np.zeros((1, 2), dtype=np.int64), np.zeros((0, 3), dtype=np.int64),
+              np.zeros(1, dtype=np.uint64), np.zeros((0, 0), dtype=np.uint64), np.zeros((0, 0), dtype=np.int64))
+    keep_layer(tables[0], 0, 0, 0, *tables[1:])
+    keep_layer_at(keep_tables(*tables), 0, 0, 0)
+    keep_queries(one, 0, 0, 0, np.zeros(STRIDE_COLUMNS, dtype=np.int64), np.zeros((0, QUERY_COLUMNS), dtype=np.int64),
+                 np.zeros((1, 2, 2), dtype=np.uint8))
     for gathered in (False, True):
         check_forward(layers, np.zeros((0, 4), dtype=np.int64), np.zeros(STRIDE_COLUMNS, dtype=np.int64), desc[None],
                       np.zeros(0, dtype=np.int64), np.zeros((0, QUERY_COLUMNS), dtype=np.int64), np.zeros(4),

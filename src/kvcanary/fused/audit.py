@@ -26,7 +26,7 @@ import math
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import types
+from numba import carray, types
 from numba.extending import intrinsic
 
 from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD_STRIDE, D_STRIP, D_STRIP_STRIDE,
@@ -35,7 +35,8 @@ from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD
                                    L_HEADS, L_K, L_MAX_SLOT, L_QCODE, L_STEP, L_V, LAYER_COLUMNS, PTR_K, PTR_O, PTR_Q,
                                    PTR_V, Q_CACHED, Q_HEAD, Q_KV_HEAD, Q_LAYER, Q_LOCAL, Q_PICKED, Q_POSITION, Q_ROW,
                                    Q_SINK, Q_START, Q_TOKEN, S_K, S_O, S_Q, S_V)
-from kvcanary.fused._core import JIT, fold_row, fold_source, ld_i64, ld_u8, ld_u16, ld_u32, prefetch
+from kvcanary.fused._core import (JIT, fold_row, fold_source, i64_pointer, ld_i64, ld_u8, ld_u16, ld_u32, prefetch,
+                                  u64_pointer)
 from kvcanary.fused._step import NNEW, NS, lookup, rd
 from kvcanary.fused.cache import njit
 
@@ -301,24 +302,20 @@ def _fold_rows(c, step, g, t, f0, f1, frow, frkeys, ka, va, strides, facc, fcnt)
 
 
 @njit(**JIT)
-def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt, kept, fsrc, fruns, fkeys, lfold, frow,
-               frkeys, facc, fcnt):  # type: ignore[no-untyped-def]
-    """Inside one layer's forward, what :func:`check_forward` needs of it after the forward: its write
-    check now (``ka``: its computed K's address, 0: none; ``va``: its V's), into the ``half`` and
-    ``head`` rows of layer ``lay``; and a copy of its audited queries' rows, the query at ``qa`` and
-    the output at ``oa`` (0: none), into ``kept`` (``[S, 2, dim * element size]`` bytes: a query's
-    table row ``s`` holds its query at ``[s, 0]`` and its output at ``[s, 1]``), because the engine
-    may reuse those tensors' memory in a later layer.
+def keep_layer(layers, lay, ka, va, strides, steps, toks, half, head, fsrc, fruns, fkeys, lfold, frow, frkeys, facc,
+               fcnt):  # type: ignore[no-untyped-def]
+    """Inside one layer's forward, right after its cache write and before its attention reads the
+    cache (the written rows and the computed ones are still in the core's caches): its write check
+    (``ka``: its computed K's address, 0: none; ``va``: its V's) into the ``half`` and ``head`` rows of
+    layer ``lay`` (see :func:`check_forward`), and the layer's part of every new token's fingerprint.
 
-    And the layer's part of every new token's fingerprint: sources ``lfold[lay, 0]`` to
-    ``lfold[lay, 1]`` of the source table ``fsrc``/``fruns``/``fkeys``
-    (:class:`kvcanary.fused._core.SourceTable`'s arrays, every group's together) are added into
-    ``facc[g, t]`` for new token ``t`` of the layer's step ``g``, and counted in ``fcnt[g, t]``
-    (``facc`` of no columns: nothing folded). A token whose write check found the cache equal to
-    its computed K and V is folded from those rows (contiguous: a loop the compiler vectorises),
-    where every source of the layer has its keys in a row's order (``frow[i, 0] >= 0``,
-    ``frkeys``) and the rows are contiguous; any other from the cache, after its check brought the
-    slot's bytes into the core's cache (a column-major K is one cache line per element)."""
+    The fold: sources ``lfold[lay, 0]`` to ``lfold[lay, 1]`` of the source table
+    ``fsrc``/``fruns``/``fkeys`` (:class:`kvcanary.fused._core.SourceTable`'s arrays, every group's
+    together) are added into ``facc[g, t]`` for new token ``t`` of the layer's step ``g``, and counted in
+    ``fcnt[g, t]`` (``facc`` of no columns: nothing folded). A token whose write check found the cache
+    equal to its computed K and V is folded from those rows (contiguous: a loop the compiler
+    vectorises), where every source of the layer has its keys in a row's order (``frow[i, 0] >= 0``,
+    ``frkeys``) and the rows are contiguous; any other from the cache."""
     c = layers[lay]
     g = c[L_STEP]
     step = steps[g]
@@ -350,8 +347,67 @@ def keep_layer(layers, lay, ka, va, qa, oa, strides, steps, toks, half, head, qt
             ft += 1
     for t in range(ft, nf):
         _fold_token(c, step, g, t, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
-    if qa == 0:
-        return
+
+
+# keep_layer's tables, in its order, for keep_layer_at: each one's name, dimensions and dtype
+KEEP_TABLES = (("layers", 2, np.int64), ("strides", 1, np.int64), ("steps", 2, np.int64), ("toks", 1, np.int64),
+               ("half", 2, np.int64), ("head", 2, np.int64), ("fsrc", 2, np.int64), ("fruns", 1, np.int64),
+               ("fkeys", 1, np.uint64), ("lfold", 2, np.int64), ("frow", 2, np.int64), ("frkeys", 1, np.uint64),
+               ("facc", 2, np.uint64), ("fcnt", 2, np.int64))
+
+
+def keep_tables(*tables: np.ndarray) -> np.ndarray:
+    """:func:`keep_layer`'s tables (``KEEP_TABLES``' order, after ``lay``, ``ka`` and ``va``) as one
+    int64 array of each one's address and shape (three columns each), for :func:`keep_layer_at`. The
+    tables must outlive its use; each must be C-contiguous, of its dimensions and dtype."""
+    if len(tables) != len(KEEP_TABLES):
+        raise ValueError(f"keep_tables: expected {len(KEEP_TABLES)} tables ({', '.join(n for n, _, _ in KEEP_TABLES)}),"
+                         f" got {len(tables)}")
+    out = np.zeros(3 * len(tables), dtype=np.int64)
+    for i, ((name, ndim, dtype), t) in enumerate(zip(KEEP_TABLES, tables)):
+        if t.ndim != ndim or t.dtype != dtype or not t.flags.c_contiguous:
+            raise ValueError(f"keep_tables: {name} must be a C-contiguous {ndim}-d {np.dtype(dtype).name} array, "
+                             f"got {t.ndim}-d {t.dtype} (C-contiguous: {t.flags.c_contiguous})")
+        out[3 * i:3 * i + 3] = (t.__array_interface__["data"][0], t.shape[0], t.shape[1] if ndim == 2 else 0)
+    return out
+
+
+@njit(inline="always", **JIT)
+def _i1(at, i):  # type: ignore[no-untyped-def]
+    return carray(i64_pointer(at[3 * i]), at[3 * i + 1])
+
+
+@njit(inline="always", **JIT)
+def _i2(at, i):  # type: ignore[no-untyped-def]
+    return carray(i64_pointer(at[3 * i]), (at[3 * i + 1], at[3 * i + 2]))
+
+
+@njit(inline="always", **JIT)
+def _u1(at, i):  # type: ignore[no-untyped-def]
+    return carray(u64_pointer(at[3 * i]), at[3 * i + 1])
+
+
+@njit(inline="always", **JIT)
+def _u2(at, i):  # type: ignore[no-untyped-def]
+    return carray(u64_pointer(at[3 * i]), (at[3 * i + 1], at[3 * i + 2]))
+
+
+@njit(**JIT)
+def keep_layer_at(at, lay, ka, va):  # type: ignore[no-untyped-def]
+    """:func:`keep_layer` with its tables given by address (``at``: :func:`keep_tables`): the call
+    runs inside every layer, where the dispatcher's checks of 14 arrays cost more than the write
+    check of a decode batch; four arguments cost it a fraction."""
+    keep_layer(_i2(at, 0), lay, ka, va, _i1(at, 1), _i2(at, 2), _i1(at, 3), _i2(at, 4), _i2(at, 5), _i2(at, 6),
+               _i1(at, 7), _u1(at, 8), _i2(at, 9), _i2(at, 10), _u1(at, 11), _u2(at, 12), _i2(at, 13))
+
+
+@njit(**JIT)
+def keep_queries(layers, lay, qa, oa, strides, qt, kept):  # type: ignore[no-untyped-def]
+    """After one layer's attention, a copy of its audited queries' rows, the query at ``qa`` and the
+    output at ``oa``, into ``kept`` (``[S, 2, dim * element size]`` bytes: a query's table row ``s``
+    holds its query at ``[s, 0]`` and its output at ``[s, 1]``), for :func:`check_forward` after the
+    forward: the engine may reuse those tensors' memory in a later layer."""
+    esz, nd = layers[lay, L_ESIZE], layers[lay, L_DIM]
     for s in range(qt.shape[0]):
         if qt[s, Q_LAYER] != lay:
             continue

@@ -3,14 +3,17 @@ attention layer's forward.
 
 vLLM's CPU attention writes a layer's new K and V into its cache (``do_kv_cache_update``) before
 the layer's attention runs (``CPUAttentionBackendImpl.forward``). One class-level patch of that
-forward, installed by the worker-side connector, runs the engine's attention, then, for the
-layers of the KV cache groups the canary covers:
+forward, installed by the worker-side connector, checks the layers of the KV cache groups the canary
+covers around the engine's attention:
 
-- compares the K and V the layer computed (the forward's ``key`` and ``value``, the inputs of the
-  cache-write op) bit for bit with the cache rows at the new tokens' slots (``slot_mapping``);
-- recomputes the forward's sampled queries of that layer in fp32 from the cache at the slots of the
-  group's verified step table, with the layer's own scale, window, soft-cap and sinks, and compares
-  them with the engine's output rows.
+- before it (the write has run): compares the K and V the layer computed (the forward's ``key`` and
+  ``value``, the inputs of the cache-write op) bit for bit with the cache rows at the new tokens'
+  slots (``slot_mapping``), and folds them into the new tokens' content fingerprints;
+- after it: recomputes the forward's sampled queries of that layer in fp32 from the cache at the
+  slots of the group's verified step table, with the layer's own scale, window, soft-cap and sinks,
+  and compares them with the engine's output rows.
+
+(Where a layer is checked by the per-layer path, both run after the attention.)
 
 The cache is read through each layer's geometry (:mod:`kvcanary.geometry.vllm_cpu`): on a CPU pool
 by the compiled loop where the layout is strided (``vec``, ``vec16``), else by the torch
@@ -37,7 +40,7 @@ from kvcanary.audit.tables import (L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, STRIDE_CO
                                    strides)
 from kvcanary.engines.audit import NO_QUERIES, EngineAudit
 from kvcanary.engines.vllm.fold import Fold, FoldTables, fold_tables
-from kvcanary.engines.vllm.wide import WideBase, WideForward
+from kvcanary.engines.vllm.wide import CHECK, KEEP, NOTHING, WideBase, WideForward
 from kvcanary.geometry.base import KvGeometry
 
 log = logging.getLogger("kvcanary")
@@ -234,19 +237,33 @@ class VllmAudit(EngineAudit):
 
     def layer(self, original: Callable[..., Any], impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+        """One covered layer's attention with its checks: where the forward's checks run in one call
+        after it (:class:`WideForward`), the write check and fold before the attention (the layer's
+        cache write ran just before it) and the audited queries' rows kept after; else every check
+        after the attention (:meth:`check_layer`). A failure of the canary's own goes to :meth:`failed`,
+        never into the engine."""
+        wide, after = self._wide, CHECK
+        if wide is not None:
+            t0 = time.perf_counter()
+            try:
+                after = wide.before(layer, query, key, value, md, output)
+            except Exception as e:
+                after = NOTHING
+                self.failed(e)
+            self.charge(time.perf_counter() - t0)  # charged here, not by a call: 30 times a forward
         out = original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        if after == NOTHING:
+            return out
         t0 = time.perf_counter()
         try:
-            wide = self._wide
-            if wide is not None:
-                wide.keep(self, impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
+            if after == KEEP and wide is not None:
+                if self._wide is wide:
+                    wide.keep(layer, query, output)
             else:
                 self.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
         except Exception as e:
             self.failed(e)
-        dt = time.perf_counter() - t0  # charged here, not by a call: this runs 30 times a forward (EngineAudit.charge)
-        self.adapter.seconds += dt
-        self.spent += dt
+        self.charge(time.perf_counter() - t0)
         return out
 
     def finish(self) -> None:

@@ -10,9 +10,12 @@ import numpy as np
 import torch
 
 from kvcanary.audit.records import Writes
-from kvcanary.audit.tables import L_ESIZE, PTR_O, PTR_Q, Q_LAYER, Q_LOCAL, S_O, S_Q, query_table, strides
+from kvcanary.audit.tables import (L_ESIZE, PTR_O, PTR_Q, Q_LAYER, Q_LOCAL, S_O, S_Q, STRIDE_COLUMNS, query_table,
+                                   strides)
 from kvcanary.engines.audit import NO_TOKENS
 from kvcanary.engines.vllm.fold import Fold
+
+NOTHING, KEEP, CHECK = 0, 1, 2  # what is left of a layer's checks after its attention (WideForward.before)
 
 
 class Planner(Protocol):
@@ -26,9 +29,6 @@ class Planner(Protocol):
     write_tokens: np.ndarray | None  # this forward's write-checked tokens
     fa: Any  # this forward's audit state
     one_call: int  # forwards checked in one call after them
-
-    def check_layer(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None: ...
 
     def count_writes(self, layers: int, tokens: int, token_bytes: int) -> None: ...
 
@@ -54,10 +54,10 @@ class WideBase:
 
 class WideForward:
     """One forward's checks as one compiled call after it (every covered layer seen before and
-    read by the compiled loop): inside each layer only its write check and a copy of its audited
-    queries' rows (:func:`kvcanary.fused.audit.keep_layer`), since the engine may reuse a layer's
-    query and output memory in a later layer; after the forward every layer's queries in one call
-    of :func:`kvcanary.fused.audit.check_forward`."""
+    read by the compiled loop): inside each layer only its write check and fold before its attention
+    (:meth:`before`) and a copy of its audited queries' rows after it (:meth:`keep`), since the engine
+    may reuse a layer's query and output memory in a later layer; after the forward every layer's
+    queries in one call of :func:`kvcanary.fused.audit.check_forward`."""
 
     def __init__(self, base: WideBase, steps: np.ndarray, qt: np.ndarray, fl: np.ndarray, toks: np.ndarray,
                  fold: Fold) -> None:
@@ -72,13 +72,16 @@ class WideForward:
         self.kept_at = self.kept.__array_interface__["data"][0]  # (ndarray.ctypes costs microseconds)
         self.md: Any = None  # the last metadata seen, and whether its attention is causal
         self.md_causal = True
-        self.keep_layer = base.fused.keep_layer  # looked up each forward (a fault may replace it)
+        self.keep_layer = base.fused.keep_layer_at  # looked up each forward (a fault may replace them)
+        self.keep_queries = base.fused.keep_queries
         self.ptrs = np.zeros((len(names), 4), dtype=np.int64)
         self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else set()  # the layer rows with queries
         self.wrote: list[int] = []
-        self.st: np.ndarray | None = None
+        self.st = np.zeros(STRIDE_COLUMNS, dtype=np.int64)  # the layers' tensors' strides, from the first one's
         self.shape: tuple[Any, ...] | None = None
         self.width = width
+        self._fold_args = fold.args
+        self.at = self._tables()
 
     @classmethod
     def plan(cls, audit: Planner, live: list[Any], base: WideBase, queries: list[Any], fold: Fold) -> "WideForward":
@@ -102,41 +105,57 @@ class WideForward:
         wide.write = audit.write_tokens is not None
         return wide
 
-    def keep(self, audit: Planner, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
-        """Inside one layer: its write check and its audited queries' rows kept (a layer whose tensors
-        differ from the forward's first in dtype, strides or heads is checked as it goes, by the
-        per-layer path). Runs after the layer's matrix products have left the CPU's caches cold, where
-        each distinct tensor call costs microseconds: it makes as few as it can."""
+    def before(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: Any,
+               output: torch.Tensor | None) -> int:
+        """Inside one layer, after its cache write and before its attention: its write check and its
+        part of the new tokens' fingerprints (:func:`kvcanary.fused.audit.keep_layer`), while the rows
+        just written are in the core's caches. Says what is left for after the attention: ``NOTHING``,
+        ``KEEP`` (the layer's audited queries' rows, :meth:`keep`) or ``CHECK`` (a layer whose tensors
+        differ from the forward's first in dtype, strides or heads, or without an output buffer, is
+        checked as it goes, by the per-layer path). Makes as few tensor calls as it can: each costs
+        a microsecond or so, 30 times a forward."""
         got = self.base.rows.get(layer.layer_name)
         if got is None:
-            return
+            return NOTHING
         li, c = got
         if md is not self.md:  # a group's layers share one metadata object a forward: its checks once
             self.md, self.md_causal = md, getattr(md, "causal", True) and getattr(md, "dynamic_causal", None) is None
         if not c.checked or not self.md_causal:
-            return
+            return NOTHING
+        if output is None:
+            return CHECK
         shape = (key.stride(), value.stride(), query.stride(), output.stride(), output.shape, key.dtype, value.dtype,
                  query.dtype, output.dtype, c.heads)
         if shape != self.shape:
             if self.shape is None and key.dtype == value.dtype == query.dtype == output.dtype == c.dtype:
                 out3 = output.view(output.shape[0], c.heads, -1)
                 self.shape = shape
-                self.st = np.array(strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2)
-                                   + strides(out3, 0, 1, 2), dtype=np.int64)
+                self.st[:] = strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2) \
+                    + strides(out3, 0, 1, 2)
             else:
-                audit.check_layer(impl, layer, query, key, value, kv_cache, md, output)
-                return
+                return CHECK
         write = self.write and c.writes
-        audited = li in self.audited
-        self.keep_layer(self.table, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0,
-                        query.data_ptr() if audited else 0, output.data_ptr() if audited else 0, self.st, self.steps,
-                        self.toks, self.half, self.head, self.qt, self.kept, *self.fold.layer(li))
+        if self.fold.layer(li) is not self._fold_args:  # a layer seen twice: the fold is off from here
+            self._fold_args = self.fold.args
+            self.at = self._tables()
+        self.keep_layer(self.at, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0)
         if write:
             self.wrote.append(li)
-        if audited:
-            self.ptrs[li, PTR_Q] = self.kept_at
-            self.ptrs[li, PTR_O] = self.kept_at + self.width
+        return KEEP if li in self.audited else NOTHING
+
+    def _tables(self) -> np.ndarray:
+        """The per-layer call's tables by address (:func:`kvcanary.fused.audit.keep_tables`): this
+        forward's, which it holds, and the fold's current ones."""
+        return self.base.fused.keep_tables(self.table, self.st, self.steps, self.toks, self.half, self.head,
+                                           *self._fold_args)
+
+    def keep(self, layer: Any, query: torch.Tensor, output: torch.Tensor) -> None:
+        """After one layer's attention (:meth:`before` said ``KEEP``): its audited queries' rows copied
+        (:func:`kvcanary.fused.audit.keep_queries`)."""
+        li = self.index[layer.layer_name]
+        self.keep_queries(self.table, li, query.data_ptr(), output.data_ptr(), self.st, self.qt, self.kept)
+        self.ptrs[li, PTR_Q] = self.kept_at
+        self.ptrs[li, PTR_O] = self.kept_at + self.width
 
     def finish(self, audit: Planner) -> None:
         """After the forward: every kept layer's queries in one compiled call, and the write checks'
@@ -146,7 +165,7 @@ class WideForward:
         fa = audit.fa
         assert fa is not None
         audit.one_call += 1
-        if self.st is not None and len(self.qt):
+        if self.shape is not None and len(self.qt):
             st = self.st.copy()
             esz = self.table[0, L_ESIZE]  # the compiled layers' queries are in their cache's dtype
             st[S_Q:S_Q + 3] = (2 * self.width, 0, esz)
