@@ -3,7 +3,8 @@ vLLM CPU layout as its geometry's torch rows do: ``vec`` at plain strides (bf16,
 (bf16: K in 16-token tiles of dimension pairs, V in 16-dimension strips of token pairs), through the
 same descriptors (:meth:`kvcanary.geometry.base.KvGeometry.descriptors`). Each query's error equals
 the torch reference's on random cache contents, where one misplaced element would show; a changed
-element of a computed K or V row is reported in its half and head, and nothing else is."""
+element of a computed K or V row, each element of each head in turn, is reported in its half and head,
+and nothing else is."""
 
 from __future__ import annotations
 
@@ -87,3 +88,16 @@ def test_the_compiled_audit_reads_each_vllm_cpu_layout_as_the_reference(isa: str
     cv[0, 1, 17] = cv[0, 1, 17] + 1  # request 0's V, last head, second strip
     _, half, head = run()
     assert half.tolist() == [2, 1] and head.tolist() == [1, 1]
+    ck.copy_(geo.k_rows(new_slots))
+    cv.copy_(geo.v_rows(new_slots))
+    # every element of every head, K and V: its lowest bit flipped is found in its half and head, whatever
+    # word the compare reads it in (a strip of a pair, a row of 8-byte words, one element)
+    bits = torch.int16 if geo.element_size == 2 else torch.int32
+    for which, rows_ in ((1, ck), (2, cv)):
+        for h in range(HEADS):
+            for d in range(DIM):
+                rows_.view(bits)[0, h, d] ^= 1
+                _, half, head = run()
+                rows_.view(bits)[0, h, d] ^= 1
+                assert half.tolist() == [which, 0] and head.tolist() == [h, 0], (which, h, d)
+    assert run()[1].tolist() == [0, 0]

@@ -123,12 +123,21 @@ def ldbits(addr, esz):  # type: ignore[no-untyped-def]
 @njit(inline="always", **JIT)
 def _differs(a, sa, b, cd, esz, nd):  # type: ignore[no-untyped-def]
     """Whether ``nd`` elements of ``esz`` bytes at ``a`` (stride ``sa``) and a cache row at ``b``
-    (descriptor ``cd``'s strips) differ in any bit; 8 bytes at a time where both are contiguous."""
+    (descriptor ``cd``'s strips) differ in any bit; 8 bytes at a time where both rows are contiguous,
+    4 where each strip is."""
     sb, strip = cd[D_DIM_STRIDE], cd[D_STRIP]
     if sa == esz and sb == esz and strip == nd and (nd * esz) % 8 == 0:
         for w in range(nd * esz // 8):
             if ld_i64(a + 8 * w) != ld_i64(b + 8 * w):
                 return True
+        return False
+    if sa == esz and sb == esz and (strip * esz) % 4 == 0:  # strips contiguous on both sides: 4-byte words
+        words = strip * esz // 4  # (vLLM's amx K: one word, a dimension pair, a cache line)
+        for i in range(nd // strip):
+            ai, bi = a + 4 * words * i, b + i * cd[D_STRIP_STRIDE]
+            for w in range(words):
+                if ld_u32(ai + 4 * w) != ld_u32(bi + 4 * w):
+                    return True
         return False
     for i in range(nd // strip):
         ai, bi = a + i * strip * sa, b + i * cd[D_STRIP_STRIDE]
