@@ -78,7 +78,8 @@ class WideForward:
         self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else set()  # the layer rows with queries
         self.wrote: list[int] = []
         self.st = np.zeros(STRIDE_COLUMNS, dtype=np.int64)  # the layers' tensors' strides, from the first one's
-        self.shape: tuple[Any, ...] | None = None
+        self.shape: tuple[Any, ...] | None = None  # the first layer's K and V strides and dtypes
+        self.qo_shape: tuple[Any, ...] | None = None  # and its query's and output's, and its heads
         self.width = width
         self._fold_args = fold.args
         self.at = self._tables()
@@ -124,12 +125,16 @@ class WideForward:
             return NOTHING
         if output is None:
             return CHECK
-        shape = (key.stride(), value.stride(), query.stride(), output.stride(), output.shape, key.dtype, value.dtype,
-                 query.dtype, output.dtype, c.heads)
-        if shape != self.shape:
+        audited = li in self.audited
+        # the K and V the write check reads, and for a layer with audited queries the query and output
+        # rows kept after its attention, as the forward's first layer's (the strides the loops take)
+        kv = (key.stride(), value.stride(), key.dtype, value.dtype)
+        if kv != self.shape or (audited and (query.stride(), output.stride(), output.shape, query.dtype, output.dtype,
+                                             c.heads) != self.qo_shape):
             if self.shape is None and key.dtype == value.dtype == query.dtype == output.dtype == c.dtype:
                 out3 = output.view(output.shape[0], c.heads, -1)
-                self.shape = shape
+                self.shape = kv
+                self.qo_shape = (query.stride(), output.stride(), output.shape, query.dtype, output.dtype, c.heads)
                 self.st[:] = strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2) \
                     + strides(out3, 0, 1, 2)
             else:
@@ -141,7 +146,7 @@ class WideForward:
         self.keep_layer(self.at, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0)
         if write:
             self.wrote.append(li)
-        return KEEP if li in self.audited else NOTHING
+        return KEEP if audited else NOTHING
 
     def _tables(self) -> np.ndarray:
         """The per-layer call's tables by address (:func:`kvcanary.fused.audit.keep_tables`): this
