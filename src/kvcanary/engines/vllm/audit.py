@@ -16,9 +16,10 @@ covers around the engine's attention:
 (Where a layer is checked by the per-layer path, both run after the attention.)
 
 The cache is read through each layer's geometry (:mod:`kvcanary.geometry.vllm_cpu`): on a CPU pool
-by the compiled loop where the layout is strided (``vec``, ``vec16``), else by the torch
-reference. Layers the canary does not cover, draft-model layers, KV-sharing layers (no write of
-their own) and non-causal or ALiBi attention are passed through unchecked.
+by the compiled loops where a descriptor places its elements (``vec``, ``vec16``, ``amx``:
+:func:`compiled_reads`), else by the torch reference. Layers the canary does not cover, draft-model
+layers, KV-sharing layers (no write of their own) and non-causal or ALiBi attention are passed
+through unchecked.
 """
 
 from __future__ import annotations
