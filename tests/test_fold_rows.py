@@ -165,6 +165,9 @@ def test_keep_tables_refuses_a_table_of_another_dtype_shape_or_count() -> None:
     good = [np.zeros((2, 3) if nd == 2 else 3, dtype=dt) for _, nd, dt in KEEP_TABLES]
     at = keep_tables(*good)
     assert at.shape == (3 * len(KEEP_TABLES),) and at[3 * 4 + 1:3 * 4 + 3].tolist() == [2, 3]
+    assert at[0::3].tolist() == [t.__array_interface__["data"][0] for t in good]  # each table's own address
+    assert at[1::3].tolist() == [t.shape[0] for t in good]
+    assert at[2::3].tolist() == [t.shape[1] if t.ndim == 2 else 0 for t in good]
     with pytest.raises(ValueError, match="expected 14 tables"):
         keep_tables(*good[:-1])
     bad = list(good)

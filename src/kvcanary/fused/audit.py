@@ -359,26 +359,59 @@ def keep_layer(layers, lay, ka, va, strides, steps, toks, half, head, fsrc, frun
 
 
 # keep_layer's tables, in its order, for keep_layer_at: each one's name, dimensions and dtype
-KEEP_TABLES = (("layers", 2, np.int64), ("strides", 1, np.int64), ("steps", 2, np.int64), ("toks", 1, np.int64),
-               ("half", 2, np.int64), ("head", 2, np.int64), ("fsrc", 2, np.int64), ("fruns", 1, np.int64),
-               ("fkeys", 1, np.uint64), ("lfold", 2, np.int64), ("frow", 2, np.int64), ("frkeys", 1, np.uint64),
-               ("facc", 2, np.uint64), ("fcnt", 2, np.int64))
+KEEP_TABLES = tuple((name, nd, np.dtype(dt)) for name, nd, dt in (
+    ("layers", 2, np.int64), ("strides", 1, np.int64), ("steps", 2, np.int64), ("toks", 1, np.int64),
+    ("half", 2, np.int64), ("head", 2, np.int64), ("fsrc", 2, np.int64), ("fruns", 1, np.int64),
+    ("fkeys", 1, np.uint64), ("lfold", 2, np.int64), ("frow", 2, np.int64), ("frkeys", 1, np.uint64),
+    ("facc", 2, np.uint64), ("fcnt", 2, np.int64)))
 
 
 def keep_tables(*tables: np.ndarray) -> np.ndarray:
     """:func:`keep_layer`'s tables (``KEEP_TABLES``' order, after ``lay``, ``ka`` and ``va``) as one
     int64 array of each one's address and shape (three columns each), for :func:`keep_layer_at`. The
-    tables must outlive its use; each must be C-contiguous, of its dimensions and dtype."""
+    tables must outlive its use; each must be C-contiguous, of its dimensions and dtype. Made once a
+    forward: the addresses are read by a compiled call (numpy's array interface costs a microsecond
+    a table)."""
     if len(tables) != len(KEEP_TABLES):
         raise ValueError(f"keep_tables: expected {len(KEEP_TABLES)} tables ({', '.join(n for n, _, _ in KEEP_TABLES)}),"
                          f" got {len(tables)}")
-    out = np.zeros(3 * len(tables), dtype=np.int64)
-    for i, ((name, ndim, dtype), t) in enumerate(zip(KEEP_TABLES, tables)):
+    for (name, ndim, dtype), t in zip(KEEP_TABLES, tables):
         if t.ndim != ndim or t.dtype != dtype or not t.flags.c_contiguous:
-            raise ValueError(f"keep_tables: {name} must be a C-contiguous {ndim}-d {np.dtype(dtype).name} array, "
+            raise ValueError(f"keep_tables: {name} must be a C-contiguous {ndim}-d {dtype.name} array, "
                              f"got {t.ndim}-d {t.dtype} (C-contiguous: {t.flags.c_contiguous})")
-        out[3 * i:3 * i + 3] = (t.__array_interface__["data"][0], t.shape[0], t.shape[1] if ndim == 2 else 0)
+    out = np.empty(3 * len(tables), dtype=np.int64)
+    _tables_at(out, *tables)
     return out
+
+
+@njit(inline="always", **JIT)
+def _at1(out, i, t):  # type: ignore[no-untyped-def]
+    out[3 * i], out[3 * i + 1], out[3 * i + 2] = t.ctypes.data, t.shape[0], 0
+
+
+@njit(inline="always", **JIT)
+def _at2(out, i, t):  # type: ignore[no-untyped-def]
+    out[3 * i], out[3 * i + 1], out[3 * i + 2] = t.ctypes.data, t.shape[0], t.shape[1]
+
+
+@njit(**JIT)
+def _tables_at(out, layers, strides, steps, toks, half, head, fsrc, fruns, fkeys, lfold, frow, frkeys, facc,
+               fcnt):  # type: ignore[no-untyped-def]
+    """Each table's address and shape into ``out`` (:func:`keep_tables`, which checked them)."""
+    _at2(out, 0, layers)
+    _at1(out, 1, strides)
+    _at2(out, 2, steps)
+    _at1(out, 3, toks)
+    _at2(out, 4, half)
+    _at2(out, 5, head)
+    _at2(out, 6, fsrc)
+    _at1(out, 7, fruns)
+    _at1(out, 8, fkeys)
+    _at2(out, 9, lfold)
+    _at2(out, 10, frow)
+    _at1(out, 11, frkeys)
+    _at2(out, 12, facc)
+    _at2(out, 13, fcnt)
 
 
 @njit(inline="always", **JIT)
