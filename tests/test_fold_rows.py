@@ -4,7 +4,7 @@
 (:func:`kvcanary.fused._core.fold_source`), on vLLM's CPU layouts: ``vec`` (K column-major, one
 narrow element a word; V token-major, wide words) in bf16 and fp32, and ``amx`` (K in 4-byte pairs
 packed across 16 tokens, V in 2-byte elements across token pairs). The per-layer keep
-(:func:`kvcanary.fused.audit.keep_layer`) takes the rows only for a token whose write check found
+(:func:`kvcanary.fused.keep.keep_layer`) takes the rows only for a token whose write check found
 them equal to the cache: a token whose computed rows differ is folded from the cache."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
     from kvcanary.audit.reference import DTYPES
     from kvcanary.engines.vllm.fold import Fold, fold_tables
     from kvcanary.fused._step import describe
-    from kvcanary.fused.audit import keep_layer, keep_layer_at, keep_tables
+    from kvcanary.fused.keep import keep_layer, keep_layer_at, keep_tables
     from kvcanary.step import Step
 
     geos, table, names, group = _pool(isa, dtype, layers=1)
@@ -160,7 +160,7 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
 def test_keep_tables_refuses_a_table_of_another_dtype_shape_or_count() -> None:
     """keep_layer_at reads its tables through raw addresses: keep_tables checks each one first and names
     the one that is wrong."""
-    from kvcanary.fused.audit import KEEP_TABLES, keep_tables
+    from kvcanary.fused.keep import KEEP_TABLES, keep_tables
 
     good = [np.zeros((2, 3) if nd == 2 else 3, dtype=dt) for _, nd, dt in KEEP_TABLES]
     at = keep_tables(*good)

@@ -264,7 +264,7 @@ class Canary:
 
         ``folded`` (fused path): the new tokens' fingerprints an engine's per-layer hook folded while
         each layer wrote (uint64 and int64 ``[step.num_new]``: each token's sum and how many of the
-        layout's sources it covers, :func:`kvcanary.fused.audit.keep_layer`); a token they cover
+        layout's sources it covers, :func:`kvcanary.fused.keep.keep_layer`); a token they cover
         whole is stamped with it, any other is fingerprinted from the cache here."""
         if self._fast is not None:
             n = self.patrol_slots if patrol else 0

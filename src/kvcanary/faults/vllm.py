@@ -394,14 +394,15 @@ def canary_fails(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict
     turns into no report."""
     from kvcanary.engines.vllm.entry import KvCanaryConnector
     from kvcanary.fused import audit as fused_audit
+    from kvcanary.fused import keep as fused_keep
 
     def boom(*a: Any, **kw: Any) -> None:
         raise RuntimeError("a failure inside the canary (injected)")
 
     # the compiled loops of the write check and read audit, inside and after each layer's forward
-    fused_audit.keep_layer = boom
-    fused_audit.keep_layer_at = boom
-    fused_audit.keep_queries = boom
+    fused_keep.keep_layer = boom
+    fused_keep.keep_layer_at = boom
+    fused_keep.keep_queries = boom
     fused_audit.check_forward = boom
     KvCanaryConnector.model_positions.__wrapped__ = boom  # type: ignore[attr-defined]
     detail.update(failing=["write check and read audit", "position check"])

@@ -35,9 +35,9 @@ def loops() -> dict[str, Any]:
     :func:`available` compiles or loads. Imports the compiled modules."""
     from numba.core.dispatcher import Dispatcher
 
-    from kvcanary.fused import _core, _step, audit, block_steps, forward, index_steps, ops, steps
+    from kvcanary.fused import _core, _step, audit, block_steps, forward, index_steps, keep, ops, steps
 
-    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, index_steps, block_steps, audit)
+    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, index_steps, block_steps, audit, keep)
             for k, v in vars(m).items()
             if isinstance(v, Dispatcher) and v.targetoptions.get("inline") != "always"
             and v.py_func.__module__ == m.__name__}
@@ -132,14 +132,13 @@ def _warm_audit(desc: Any) -> None:
     """The write check and read audit's loops with the tables the engine adapters pass, empty: their
     types, not their sizes or the cache's dtype, make each one's signature. The one call
     (:func:`kvcanary.fused.audit.check_forward`, :meth:`kvcanary.engines.audit.EngineAudit.run_compiled`)
-    and vLLM's per-layer ones (:func:`~kvcanary.fused.audit.keep_layer` and
-    :func:`~kvcanary.fused.audit.keep_layer_at` before a layer's attention,
-    :func:`~kvcanary.fused.audit.keep_queries` after it)."""
+    and vLLM's per-layer ones (:mod:`kvcanary.fused.keep`)."""
     import numpy as np
 
     from kvcanary.audit.tables import LAYER_COLUMNS, QUERY_COLUMNS, STRIDE_COLUMNS
     from kvcanary.fused._core import NUM_SRC_FIELDS
-    from kvcanary.fused.audit import check_forward, keep_layer, keep_layer_at, keep_queries, keep_tables
+    from kvcanary.fused.audit import check_forward
+    from kvcanary.fused.keep import keep_layer, keep_layer_at, keep_queries, keep_tables
 
     layers = np.zeros((0, LAYER_COLUMNS), dtype=np.int64)
     half = np.zeros((0, 0), dtype=np.int64)

@@ -249,7 +249,7 @@ def fold_row(addr, width, keys, k0, n):  # type: ignore[no-untyped-def]
 def fold_source(src, runs, keys, i, slot):  # type: ignore[no-untyped-def]
     """Source ``i``'s part of one slot's fingerprint (``0 <= slot < num_slots``): its words' sum,
     unfinished. The parts of a slot's sources add up (mod 2**64) in any order, so they may be folded
-    at different times (:func:`kvcanary.fused.audit.keep_layer` folds each layer's as it writes)."""
+    at different times (:func:`kvcanary.fused.keep.keep_layer` folds each layer's as it writes)."""
     acc = np.uint64(0)
     ps = src[i, A_PS]
     page = slot // ps

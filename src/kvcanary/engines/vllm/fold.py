@@ -5,7 +5,7 @@ A stamp's content fingerprint is a sum over the slot's words of every layer's K 
 while its bytes are still in the CPU's caches. Folded after the forward instead, each token's K in
 vLLM's column-major CPU layout (``vec``, ``vec16``: one element per cache line) is read back from
 memory: about 1 ms a forward for 16 tokens of a 30-layer model, the largest part of the canary's
-time there. The per-layer keep (:func:`kvcanary.fused.audit.keep_layer`) folds its layer's sources
+time there. The per-layer keep (:func:`kvcanary.fused.keep.keep_layer`) folds its layer's sources
 into :class:`Fold`; the groups' canaries stamp with the sums that cover all of their sources
 (:meth:`kvcanary.canary.Canary.after_forward`'s ``folded``) and fold any other token themselves.
 

@@ -47,9 +47,9 @@ class WideBase:
         self.by_number = {c.number: (i, c) for i, c in enumerate(statics)}
         self.numbers = [c.number for c in statics]  # each row's layer number and group, for the records
         self.groups = groups
-        from kvcanary.fused import audit as fused_audit  # numba: imported once the engine runs
+        from kvcanary.fused import keep  # numba: imported once the engine runs
 
-        self.fused = fused_audit
+        self.fused = keep  # the per-layer calls
 
 
 class WideForward:
@@ -109,7 +109,7 @@ class WideForward:
     def before(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: Any,
                output: torch.Tensor | None) -> int:
         """Inside one layer, after its cache write and before its attention: its write check and its
-        part of the new tokens' fingerprints (:func:`kvcanary.fused.audit.keep_layer`), while the rows
+        part of the new tokens' fingerprints (:func:`kvcanary.fused.keep.keep_layer`), while the rows
         just written are in the core's caches. Says what is left for after the attention: ``NOTHING``,
         ``KEEP`` (the layer's audited queries' rows, :meth:`keep`) or ``CHECK`` (a layer whose tensors
         differ from the forward's first in dtype, strides or heads, or without an output buffer, is
@@ -149,14 +149,14 @@ class WideForward:
         return KEEP if audited else NOTHING
 
     def _tables(self) -> np.ndarray:
-        """The per-layer call's tables by address (:func:`kvcanary.fused.audit.keep_tables`): this
+        """The per-layer call's tables by address (:func:`kvcanary.fused.keep.keep_tables`): this
         forward's, which it holds, and the fold's current ones."""
         return self.base.fused.keep_tables(self.table, self.st, self.steps, self.toks, self.half, self.head,
                                            *self._fold_args)
 
     def keep(self, layer: Any, query: torch.Tensor, output: torch.Tensor) -> None:
         """After one layer's attention (:meth:`before` said ``KEEP``): its audited queries' rows copied
-        (:func:`kvcanary.fused.audit.keep_queries`)."""
+        (:func:`kvcanary.fused.keep.keep_queries`)."""
         li = self.index[layer.layer_name]
         self.keep_queries(self.table, li, query.data_ptr(), output.data_ptr(), self.st, self.qt, self.kept)
         self.ptrs[li, PTR_Q] = self.kept_at
