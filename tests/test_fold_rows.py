@@ -99,8 +99,11 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
     from kvcanary.audit.reference import DTYPES
     from kvcanary.engines.vllm.fold import Fold, fold_tables
     from kvcanary.fused._step import describe
-    from kvcanary.fused.keep import keep_layer, keep_layer_at, keep_tables
+    from kvcanary.fused.keep import KEEP_LAYER_AT, direct, keep_layer, keep_layer_at, keep_tables
     from kvcanary.step import Step
+
+    entry = direct(keep_layer_at, KEEP_LAYER_AT)  # past the dispatcher, as inside vLLM's layers
+    assert entry is not keep_layer_at and callable(entry)
 
     geos, table, names, group = _pool(isa, dtype, layers=1)
     geo = geos[0]
@@ -127,18 +130,20 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
 
     def run(write: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         got = []
-        for by_address in (False, True):  # keep_layer, and keep_layer_at over the same tables: the same results
+        # keep_layer, and keep_layer_at over the same tables, through the dispatcher and its compiled entry
+        for call in ("arrays", "address", "entry"):
             fold = Fold(ft, ["g"], n)
             half = np.zeros((1, n), dtype=np.int64)
             head = np.full_like(half, -1)
             ka, va = (k.data_ptr(), v.data_ptr()) if write else (0, 0)
-            if by_address:
-                keep_layer_at(keep_tables(layers, st, steps, toks, half, head, *fold.layer(0)), 0, ka, va)
-            else:
+            if call == "arrays":
                 keep_layer(layers, 0, ka, va, st, steps, toks, half, head, *fold.layer(0))
+            else:
+                at = keep_tables(layers, st, steps, toks, half, head, *fold.layer(0))
+                (keep_layer_at if call == "address" else entry)(at.__array_interface__["data"][0], 0, ka, va)
             got.append((fold.acc[0].copy(), fold.cnt[0].copy(), half[0], head[0]))
-        (acc, cnt, half, head), again = got
-        assert all((a == b).all() for a, b in zip(got[0], again))
+        (acc, cnt, half, head), *again = got
+        assert all((a == b).all() for other in again for a, b in zip(got[0], other))
         if not write:  # no write check: its rows untouched
             assert (head == -1).all() and (half == 0).all()
         return acc, cnt, half
@@ -155,6 +160,27 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
     acc, cnt, half = run(True)
     assert half.tolist() == [0, 0, 1, 0, 2]
     assert (acc == cache_acc).all() and (cnt == cache_cnt).all()
+
+
+def test_direct_falls_back_to_what_it_is_given() -> None:
+    """``direct`` gives a compiled entry for a numba dispatcher only: a function that replaced the loop
+    (a fault, a test) is called as it is, and so is a dispatcher whose signature does not compile."""
+    from numba import njit, types
+
+    from kvcanary.fused.keep import direct
+
+    def plain(*a: int) -> int:
+        return 7
+
+    assert direct(plain, (types.int64,)) is plain
+
+    @njit
+    def twice(x):  # type: ignore[no-untyped-def]
+        return 2 * x
+
+    entry = direct(twice, (types.int64,))
+    assert entry is not twice and entry(21) == 42
+    assert direct(twice, (types.unicode_type, types.int64)) is twice  # two arguments for one: not compiled
 
 
 def test_keep_tables_refuses_a_table_of_another_dtype_shape_or_count() -> None:

@@ -4,7 +4,8 @@
 - :func:`keep_layer`, before the layer's attention (its cache write has just run): the layer's write
   check of every new token and its part of each new token's content fingerprint;
 - :func:`keep_layer_at`: the same with its tables given by address (:func:`keep_tables`), four
-  arguments where the numba dispatcher's checks of 14 arrays cost more than a decode batch's check;
+  integers where the numba dispatcher's checks of 14 arrays cost more than a decode batch's check,
+  called through its compiled entry (:func:`direct`), past the dispatcher;
 - :func:`keep_queries`, after the attention: a copy of the layer's audited queries' query and output
   rows, which the engine may reuse in a later layer.
 
@@ -14,10 +15,12 @@ The engine side is :class:`kvcanary.engines.vllm.wide.WideForward`.
 from __future__ import annotations
 
 import numpy as np
-from numba import carray
+from numba import carray, types
 
 from kvcanary.audit.tables import (L_DIM, L_ESIZE, L_HEADS, L_MAX_SLOT, L_STEP, Q_HEAD, Q_LAYER, Q_TOKEN, S_K, S_O,
                                    S_Q, S_V)
+from typing import Any, Callable
+
 from kvcanary.fused._core import JIT, fold_row, fold_source, i64_pointer, ld_u8, u64_pointer
 from kvcanary.fused._step import NNEW, NS, rd
 from kvcanary.fused.audit import check_write
@@ -111,14 +114,15 @@ KEEP_TABLES = tuple((name, nd, np.dtype(dt)) for name, nd, dt in (
     ("half", 2, np.int64), ("head", 2, np.int64), ("fsrc", 2, np.int64), ("fruns", 1, np.int64),
     ("fkeys", 1, np.uint64), ("lfold", 2, np.int64), ("frow", 2, np.int64), ("frkeys", 1, np.uint64),
     ("facc", 2, np.uint64), ("fcnt", 2, np.int64)))
+NUM_TABLES = len(KEEP_TABLES)
 
 
 def keep_tables(*tables: np.ndarray) -> np.ndarray:
     """:func:`keep_layer`'s tables (``KEEP_TABLES``' order, after ``lay``, ``ka`` and ``va``) as one
-    int64 array of each one's address and shape (three columns each), for :func:`keep_layer_at`. The
-    tables must outlive its use; each must be C-contiguous, of its dimensions and dtype. Made once a
-    forward: the addresses are read by a compiled call (numpy's array interface costs a microsecond
-    a table)."""
+    int64 array of each one's address and shape (three columns each), whose address
+    :func:`keep_layer_at` takes. The tables, and this array, must outlive its use; each must be
+    C-contiguous, of its dimensions and dtype. Made once a forward: the addresses are read by a
+    compiled call (numpy's array interface costs a microsecond a table)."""
     if len(tables) != len(KEEP_TABLES):
         raise ValueError(f"keep_tables: expected {len(KEEP_TABLES)} tables ({', '.join(n for n, _, _ in KEEP_TABLES)}),"
                          f" got {len(tables)}")
@@ -182,12 +186,34 @@ def _u2(at, i):  # type: ignore[no-untyped-def]
 
 
 @njit(**JIT)
-def keep_layer_at(at, lay, ka, va):  # type: ignore[no-untyped-def]
-    """:func:`keep_layer` with its tables given by address (``at``: :func:`keep_tables`): the call
-    runs inside every layer, where the dispatcher's checks of 14 arrays cost more than the write
-    check of a decode batch; four arguments cost it a fraction."""
+def keep_layer_at(tables, lay, ka, va):  # type: ignore[no-untyped-def]
+    """:func:`keep_layer` with its tables given by address (``tables``: the address of
+    :func:`keep_tables`' array): the call runs inside every layer, where the dispatcher's checks of
+    14 arrays cost more than the write check of a decode batch; four integers cost it a fraction,
+    and nothing through :func:`direct`."""
+    at = carray(i64_pointer(tables), 3 * NUM_TABLES)
     keep_layer(_i2(at, 0), lay, ka, va, _i1(at, 1), _i2(at, 2), _i1(at, 3), _i2(at, 4), _i2(at, 5), _i2(at, 6),
                _i1(at, 7), _u1(at, 8), _i2(at, 9), _i2(at, 10), _u1(at, 11), _u2(at, 12), _i2(at, 13))
+
+
+KEEP_LAYER_AT = (types.int64,) * 4  # keep_layer_at's one signature: its four arguments, integers
+
+
+def direct(fn: Callable[..., Any], signature: tuple[Any, ...]) -> Callable[..., Any]:
+    """``fn``'s compiled code for ``signature`` as a callable that skips the numba dispatcher's typing
+    of its arguments (a microsecond or so a call, more inside a layer whose matrix products left the
+    core's caches cold). It converts each argument to the signature's type without a check (a float
+    to an integer's place is truncated): its callers pass what the signature says. ``fn`` itself
+    where it is not a numba dispatcher (a fault may replace it) or the signature cannot be compiled."""
+    get = getattr(fn, "get_overload", None)
+    compile_ = getattr(fn, "compile", None)
+    if get is None or compile_ is None:
+        return fn
+    try:
+        compile_(signature)  # loaded from the loops' cache where compiled before (kvcanary warmup)
+        return get(signature)  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - the dispatcher still works: it is the fallback
+        return fn
 
 
 @njit(**JIT)

@@ -69,7 +69,10 @@ def install() -> None:
         audit = REGISTRY.get(getattr(layer, "layer_name", ""))
         if audit is None or attn_metadata is None or audit.fa is None:
             return original(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        return audit.layer(original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if args or kwargs:
+            return audit.layer(original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                               **kwargs)
+        return audit.layer(original, impl, layer, query, key, value, kv_cache, attn_metadata, output)
 
     CPUAttentionBackendImpl.forward = forward
 
@@ -254,7 +257,9 @@ class VllmAudit(EngineAudit):
             dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
             self.adapter.seconds += dt
             self.spent += dt
-        out = original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        # (a call without the engine's extra arguments spared packing them: this runs 30 times a forward)
+        out = (original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs) if args or kwargs
+               else original(impl, layer, query, key, value, kv_cache, md, output))
         if after == NOTHING:
             return out
         t0 = time.perf_counter()

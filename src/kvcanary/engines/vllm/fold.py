@@ -154,10 +154,14 @@ class Fold:
     def layer(self, index: int) -> tuple[np.ndarray, ...]:
         """The keep's fold arguments for layer row ``index`` (none once a layer was seen twice)."""
         if index in self._seen:
-            self.cnt[:] = INVALID
-            self.args = self._off
+            self.void()
         self._seen.add(index)
         return self.args
+
+    def void(self) -> None:
+        """This forward's folds are not used (a layer seen twice): no sums, and none taken from here."""
+        self.cnt[:] = INVALID
+        self.args = self._off
 
     def results(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Each live group's sums and counts, for its canary's stamp."""

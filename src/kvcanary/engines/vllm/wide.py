@@ -50,6 +50,15 @@ class WideBase:
         from kvcanary.fused import keep  # numba: imported once the engine runs
 
         self.fused = keep  # the per-layer calls
+        self._entry: tuple[Any, Any] = (None, None)
+
+    def keep_layer(self) -> Any:
+        """The per-layer call (:func:`kvcanary.fused.keep.keep_layer_at`) through its compiled entry
+        (:func:`kvcanary.fused.keep.direct`), looked up each forward (a fault may replace it)."""
+        fn = self.fused.keep_layer_at
+        if self._entry[0] is not fn:
+            self._entry = (fn, self.fused.direct(fn, self.fused.KEEP_LAYER_AT))
+        return self._entry[1]
 
 
 class WideForward:
@@ -72,7 +81,7 @@ class WideForward:
         self.kept_at = self.kept.__array_interface__["data"][0]  # (ndarray.ctypes costs microseconds)
         self.md: Any = None  # the last metadata seen, and whether its attention is causal
         self.md_causal = True
-        self.keep_layer = base.fused.keep_layer_at  # looked up each forward (a fault may replace them)
+        self.keep_layer = base.keep_layer()  # looked up each forward (a fault may replace them)
         self.keep_queries = base.fused.keep_queries
         self.ptrs = np.zeros((len(names), 4), dtype=np.int64)
         self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else set()  # the layer rows with queries
@@ -81,8 +90,8 @@ class WideForward:
         self.shape: tuple[Any, ...] | None = None  # the first layer's K and V strides and dtypes
         self.qo_shape: tuple[Any, ...] | None = None  # and its query's and output's, and its heads
         self.width = width
-        self._fold_args = fold.args
-        self.at = self._tables()
+        self._seen = bytearray(len(names))  # the layer rows seen this forward (a second sight voids the folds)
+        self._tables()
 
     @classmethod
     def plan(cls, audit: Planner, live: list[Any], base: WideBase, queries: list[Any], fold: Fold) -> "WideForward":
@@ -140,19 +149,21 @@ class WideForward:
             else:
                 return CHECK
         write = self.write and c.writes
-        if self.fold.layer(li) is not self._fold_args:  # a layer seen twice: the fold is off from here
-            self._fold_args = self.fold.args
-            self.at = self._tables()
-        self.keep_layer(self.at, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0)
+        if self._seen[li]:  # a layer seen twice: the fold is off from here
+            self.fold.void()
+            self._tables()
+        self._seen[li] = 1
+        self.keep_layer(self.at_address, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0)
         if write:
             self.wrote.append(li)
         return KEEP if audited else NOTHING
 
-    def _tables(self) -> np.ndarray:
+    def _tables(self) -> None:
         """The per-layer call's tables by address (:func:`kvcanary.fused.keep.keep_tables`): this
-        forward's, which it holds, and the fold's current ones."""
-        return self.base.fused.keep_tables(self.table, self.st, self.steps, self.toks, self.half, self.head,
-                                           *self._fold_args)
+        forward's and the fold's current ones, held here with the array of their addresses."""
+        self.at = self.base.fused.keep_tables(self.table, self.st, self.steps, self.toks, self.half, self.head,
+                                              *self.fold.args)
+        self.at_address = self.at.__array_interface__["data"][0]
 
     def keep(self, layer: Any, query: torch.Tensor, output: torch.Tensor) -> None:
         """After one layer's attention (:meth:`before` said ``KEEP``): its audited queries' rows copied
