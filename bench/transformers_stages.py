@@ -7,10 +7,12 @@ decode-heavy; ``--model real``: SmolLM2-135M-Instruct (:mod:`kvcanary.real_model
     python bench/transformers_stages.py [--model tiny|real] [--threads 1] [--runs 3] [--backend fused]
 
 A stage's time includes its callees (a canary hook includes its compiled call); the two hook totals
-are the canary's time but for what it does inside each layer (a few microseconds: taking references
-to the layer's tensors). The last line's ``canary_us_per_forward`` and ``canary_share_of_run`` are the
-canary's own counter (``canary_us`` of its stats: the hooks and the per-layer work), ``hooks_us_per_forward``
-the two hooks' sum as timed here. Each wrapped call adds about a microsecond of its own. ``KVCANARY_*`` variables
+are the canary's time but for what it does inside each layer (looking the layer's protection up and
+taking references to its tensors, twice a layer), which the line "inside the layers" gives (the
+canary's own count of it, ``layer_seconds`` of its audit). The last line's ``canary_us_per_forward`` and
+``canary_share_of_run`` are the canary's own counter (``canary_us`` of its stats: the hooks and the
+per-layer work), ``hooks_us_per_forward`` the two hooks' sum as timed here; shares are of the
+counter. Each wrapped call adds about a microsecond of its own. ``KVCANARY_*`` variables
 set in the environment change the canary's configuration (the last line's ``config`` says which).
 """
 
@@ -93,7 +95,7 @@ def main() -> None:
         gen, cbc = cb_configs(max_new_tokens=96, num_blocks=256, max_batch_tokens=256)
     cfg = CanaryConfig.from_env(CanaryConfig(mode="log", backend=ARGS.backend))  # KVCANARY_* variables apply
     forwards = 0
-    wall = own = 0.0
+    wall = own = inside = 0.0
     for run in range(ARGS.runs + 1):  # the first run warms up
         if run == 1:
             spent.clear()
@@ -104,10 +106,13 @@ def main() -> None:
                 wall += time.perf_counter() - t
                 forwards += guard.forwards
                 own += guard.stats()["canary_us"] / 1e6
+                inside += guard.audit.layer_seconds
         assert guard.stats()["violations"] == 0 and guard.stats()["internal_errors"] == 0
     total = spent["before-forward hook"] + spent["after-forward hook"]
     for _, _, stage in STAGES:
-        print(f"{stage:48s} {spent[stage] / forwards * 1e6:8.1f} us/forward  {spent[stage] / total:6.1%} of the canary")
+        print(f"{stage:48s} {spent[stage] / forwards * 1e6:8.1f} us/forward  {spent[stage] / own:6.1%} of the canary")
+    print(f"{'inside the layers (the per-layer hooks)':48s} {inside / forwards * 1e6:8.1f} us/forward  "
+          f"{inside / own:6.1%} of the canary")
     print(json.dumps({"forwards": forwards, "canary_us_per_forward": round(own / forwards * 1e6, 1),
                       "canary_share_of_run": round(own / wall, 4), "hooks_us_per_forward": round(total / forwards * 1e6, 1),
                       "forward_ms": round(1e3 * wall / forwards, 2),

@@ -465,3 +465,44 @@ def test_a_padded_batch_reports_padding_writes_into_live_kv_only(llama):
                          new_positions=t(0), new_slots=t(50)), t(-1, 9))
     (v,) = c.poll()
     assert v.slot == 9 and v.checks == Check.PADDING_WRITE
+
+
+def test_the_per_layer_hooks_time_is_the_canarys(llama, monkeypatch):
+    """Each layer's cache update looks its protection up and keeps references to the layer's K and V:
+    that time is the canary's, in its ``canary_us`` (here made 20 ms longer a call, so it shows)."""
+    import time
+
+    from kvcanary.engines.transformers import hooks
+
+    calls = []
+    real = hooks._by_tensor
+
+    def slow(t):
+        calls.append(1)
+        time.sleep(0.02)
+        return real(t)
+
+    run = lambda: generate(llama, prompts(4), CanaryConfig(mode="raise"), max_new_tokens=4)[1].stats()["canary_us"]  # noqa: E731
+    run()  # warm
+    base = run()
+    monkeypatch.setattr(hooks, "_by_tensor", slow)
+    slowed = run()
+    assert calls and slowed - base >= 0.9 * 0.02e6 * len(calls)
+
+
+def test_a_cache_tensors_protection_is_remembered_until_it_changes(llama):
+    from kvcanary.engines.transformers import hooks
+
+    t, other = torch.zeros(4), torch.zeros(4)
+    prot = object()
+    hooks.protect_cache(t, prot)
+    try:
+        assert hooks._by_tensor(t) is prot and hooks._by_tensor(t) is prot  # the second from the memo
+        assert hooks._by_tensor(other) is None
+        hooks.protect_cache(t, None)
+        assert hooks._by_tensor(t) is None  # the memo went with the change
+        view = t[:2]  # another tensor on the same storage: the same pool
+        hooks.protect_cache(t, prot)
+        assert hooks._by_tensor(view) is prot
+    finally:
+        hooks.protect_cache(t, None)

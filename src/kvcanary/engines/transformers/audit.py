@@ -58,6 +58,7 @@ class CbAudit(EngineAudit):
         self.modules: dict[int, Any] = {}  # layer index -> its attention module
         self.taps: dict[str, Tap] = {}
         self.skipped = 0  # forwards of the decode fast path, not audited
+        self.layer_seconds = 0.0  # the deferred forwards' per-layer hooks' share of the canary's seconds
         self.fused = False  # the compiled loops run the checks (a CPU pool on the fused backend)
         self._said: set[str] = set()
         self._layers: dict[int, _LayerInfo] = {}
@@ -167,11 +168,18 @@ class CbAudit(EngineAudit):
     # ---- inside the forward -----------------------------------------------------------------------
 
     def update(self, original: Callable[..., Any], cache: Any, key: torch.Tensor, value: torch.Tensor,
-               layer_idx: int, kwargs: dict) -> Any:
-        """Around the cache update of one layer: keep its computed K and V for the write check."""
+               layer_idx: int, kwargs: dict, t0: float | None = None) -> Any:
+        """Around the cache update of one layer: keep its computed K and V for the write check. The
+        canary's seconds since ``t0`` (the patch's first statement) are charged: 30 layers' lookups
+        and references are a tenth of a millisecond a forward, more than some hooks."""
         if self.fa is not None and self.write_tokens is not None:
             self.stash[layer_idx] = (key, value)
         tap = self.taps.get("update")
+        if t0 is not None:
+            dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
+            self.adapter.seconds += dt
+            self.spent += dt
+            self.layer_seconds += dt
         if tap is not None:
             return tap(original, cache, key, value, layer_idx, kwargs)
         return original(cache, key, value, layer_idx, kwargs)
@@ -179,18 +187,22 @@ class CbAudit(EngineAudit):
     def attention(self, original: Callable[..., Any], module: Any, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, mask: Any, *args: Any, **kwargs: Any) -> Any:
         """Around the attention of one layer: the engine's own, then this layer's checks (or what
-        they need after the forward)."""
+        they need after the forward), their seconds charged."""
         tap = self.taps.get("attention")
         out = (tap(original, module, query, key, value, mask, *args, **kwargs) if tap is not None
                else original(module, query, key, value, mask, *args, **kwargs))
         if self.fa is None:
             return out
+        t0 = time.perf_counter()
         layer = module.layer_idx
         if self._deferred:  # references only: the checks run after the forward
             if layer in self.plans:
                 self.qstash[layer] = (query, out[0], False)
+            dt = time.perf_counter() - t0
+            self.adapter.seconds += dt
+            self.spent += dt
+            self.layer_seconds += dt
             return out
-        t0 = time.perf_counter()
         try:
             if self.fused:
                 self._layer_fused(layer, query, out[0])
@@ -243,7 +255,9 @@ class CbAudit(EngineAudit):
         (``audit``: those in ``qstash``) in one compiled call."""
         c = self._compiled
         assert c is not None
-        ptrs = np.zeros((len(c.index), 4), dtype=np.int64)
+        # each layer's row of addresses (PTR_* columns), made an array once: numpy's indexed assignment from
+        # lists cost tens of microseconds a forward here, where everything is cold after the model's forward
+        ptrs = [0] * (4 * len(c.index))
         st = [0] * STRIDE_COLUMNS
         q0 = o0 = None
         gathered = False
@@ -262,9 +276,9 @@ class CbAudit(EngineAudit):
                     self._write(layer, self._layers[layer])
                 if odd:
                     kept = [x for x in kept if x[0] not in odd]
-                rows = [c.index[layer] for layer, _ in kept]
-                ptrs[rows, PTR_K] = [m[0] for _, m in kept]
-                ptrs[rows, PTR_V] = [m[1] for _, m in kept]
+                for layer, m in kept:
+                    i = 4 * c.index[layer]
+                    ptrs[i + PTR_K], ptrs[i + PTR_V] = m[0], m[1]
                 st[S_K:S_K + 3], st[S_V:S_V + 3] = strides(first[0], 2, 1, 3), strides(first[1], 2, 1, 3)
         if audit:
             for layer, (q, o, gathered) in self.qstash.items():
@@ -272,7 +286,8 @@ class CbAudit(EngineAudit):
                     q0, o0 = q, o
                 if q.stride() != q0.stride() or o.stride() != o0.stride() or q.dtype != c.dtype or o.dtype != c.dtype:
                     continue  # another shape or dtype than the forward's first: left out (its queries stay -1)
-                ptrs[c.index[layer], PTR_Q], ptrs[c.index[layer], PTR_O] = q.data_ptr(), o.data_ptr()
+                i = 4 * c.index[layer]
+                ptrs[i + PTR_Q], ptrs[i + PTR_O] = q.data_ptr(), o.data_ptr()
             if q0 is not None and o0 is not None:
                 if gathered:
                     st[S_Q:S_Q + 3], st[S_O:S_O + 3] = strides(q0, 0, 1, 2), strides(o0, 0, 1, 2)
@@ -286,8 +301,8 @@ class CbAudit(EngineAudit):
                 c.steps[gi] = describe(step)
         qt = self._qt if audit and self._qt is not None else NO_QUERIES
         fl = self._fl if self._fl is not None else c.fl
-        self.run_compiled(c.layers, ptrs, np.array(st, dtype=np.int64), c.steps, qt, fl, gathered, c.order,
-                          c.group_of, c.token_bytes)
+        self.run_compiled(c.layers, np.array(ptrs, dtype=np.int64).reshape(-1, 4), np.array(st, dtype=np.int64),
+                          c.steps, qt, fl, gathered, c.order, c.group_of, c.token_bytes)
 
     def _say(self, key: str, text: str) -> None:
         if key not in self._said:

@@ -110,7 +110,7 @@ class Protection(SchedulerSide, TransferSide, Adapter):
         for key in [k for k, a in cb_hooks.AUDITED.items() if a is self.audit]:
             del cb_hooks.AUDITED[key]
         if self.cache is not None:
-            cb_hooks.BY_CACHE.pop(cb_hooks.pool_key(self.cache.cache_tensor), None)
+            cb_hooks.protect_cache(self.cache.cache_tensor, None)
             cb_hooks.BY_POOL.pop(id(self.cache.pool), None)
         if not cb_hooks.ACTIVE:
             cb_hooks.uninstall()

@@ -6,6 +6,8 @@ the forward's stream). transformers is imported inside functions only.
 from __future__ import annotations
 
 import contextlib
+import time
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -51,6 +53,31 @@ AUDITED: dict[int, Any] = {}  # by the id of a protected model's attention modul
 
 def pool_key(cache_tensor: torch.Tensor) -> int:
     return int(cache_tensor.untyped_storage().data_ptr())
+
+
+# the protection of a cache tensor, by the tensor's id (with a weak reference that says it is the same
+# tensor): each layer's cache update looks its protection up, and the pool key (a storage object made
+# and asked for its address) costs a microsecond or two inside a layer; emptied whenever BY_CACHE changes
+_BY_TENSOR: dict[int, tuple[Any, Any]] = {}
+
+
+def protect_cache(cache_tensor: torch.Tensor, prot: Any) -> None:
+    """``prot`` protects the pool of ``cache_tensor`` (``None``: nothing does any more)."""
+    _BY_TENSOR.clear()
+    if prot is None:
+        BY_CACHE.pop(pool_key(cache_tensor), None)
+    else:
+        BY_CACHE[pool_key(cache_tensor)] = prot
+
+
+def _by_tensor(cache_tensor: torch.Tensor) -> Any:
+    """:func:`_by_cache`, remembered by the tensor."""
+    got = _BY_TENSOR.get(id(cache_tensor))
+    if got is not None and got[0]() is cache_tensor:
+        return got[1]
+    prot = _by_cache(cache_tensor)
+    _BY_TENSOR[id(cache_tensor)] = (weakref.ref(cache_tensor), prot)
+    return prot
 
 
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
@@ -148,10 +175,11 @@ def _generate_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _cache_update(self: Any, key_states: Any, value_states: Any, layer_idx: int, kwargs: dict) -> Any:
-    prot = _by_cache(self.cache_tensor)
+    t0 = time.perf_counter()  # the canary's time from here (CbAudit.update charges it)
+    prot = _by_tensor(self.cache_tensor)
     if prot is None:
         return _ORIGINAL["cache_update"](self, key_states, value_states, layer_idx, kwargs)
-    return prot.audit.update(_ORIGINAL["cache_update"], self, key_states, value_states, layer_idx, kwargs)
+    return prot.audit.update(_ORIGINAL["cache_update"], self, key_states, value_states, layer_idx, kwargs, t0)
 
 
 _AUDITED_FN: dict[Any, Callable[..., Any]] = {}  # attention function -> its audited wrapper

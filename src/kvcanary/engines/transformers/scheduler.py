@@ -54,7 +54,7 @@ class SchedulerSide:
                 g.canary.forget(g.block_slots(held))
         self.groups, self.cache = groups, cache
         self.audit.groups_changed(groups)
-        cb_hooks.BY_CACHE[cb_hooks.pool_key(cache.cache_tensor)] = self
+        cb_hooks.protect_cache(cache.cache_tensor, self)
         cb_hooks.BY_POOL[id(cache.pool)] = self
 
     def verify_first_reads(self, reqs: list, steps: dict[str, Step], rids: list[str]) -> None:
