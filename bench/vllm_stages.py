@@ -93,8 +93,8 @@ def _install(spent: dict[str, float], calls: dict[str, int]) -> None:
         def wrapper(*a: Any, _fn: Any = fn, _stage: str = stage, **k: Any) -> Any:
             t = time.perf_counter()
             inner = [0.0]
-            if _stage == WRAPPER:  # VllmAudit.layer(self, original, ...): the engine's attention left out
-                original = a[1]
+            if _stage == WRAPPER:  # VllmAudit.layer(self, t0, original, ...): the engine's attention left out
+                original = a[2]
 
                 def attention(*aa: Any, **kk: Any) -> Any:
                     t1 = time.perf_counter()
@@ -103,7 +103,7 @@ def _install(spent: dict[str, float], calls: dict[str, int]) -> None:
                     finally:
                         inner[0] += time.perf_counter() - t1
 
-                a = (a[0], attention, *a[2:])
+                a = (a[0], a[1], attention, *a[3:])
             try:
                 return _fn(*a, **k)
             finally:

@@ -64,3 +64,50 @@ def test_device_mismatch_named():
 
 def test_good_step_passes():
     canary().before_forward(good())
+
+
+def test_a_new_tokens_stream_assigned_in_use_keeps_the_memo_and_remakes_its_descriptor_entries():
+    """Step.assign_new (vLLM's position check assigns the positions the model is given between the
+    step's verify and its stamp): the shape check and descriptor stay cached, the field's entries
+    in the descriptor are remade, one handed out before is left as it was; a value that fails the
+    field's check is assigned as any field is, and the stamp reads the new positions."""
+    pytest.importorskip("numba")
+    from kvcanary.fused._step import ENP, describe
+
+    step = good()
+    before = describe(step)
+    memo = step.memo()
+    memo["prepared"] = "a canary"
+    new = torch.arange(step.num_new, dtype=torch.int64) + 100
+    step.assign_new("expected_new_positions", new)
+    assert step.memo() is memo and memo["prepared"] == "a canary"
+    after = describe(step)
+    assert after[ENP] == new.data_ptr() and after[ENP + 1] == 8 and after[ENP + 2] == 1
+    assert (after[:ENP] == before[:ENP]).all() and (after[ENP + 3:] == before[ENP + 3:]).all()
+    assert before[ENP] == 0  # the descriptor handed out before: unchanged
+    assert describe(step) is after  # remade once
+    step.assign_new("expected_new_positions", new[:1])  # the wrong length: the memo goes, the check runs
+    assert "prepared" not in step.memo()
+    with pytest.raises(StepError, match="expected_new_positions: expected shape"):
+        step.validate_shapes()
+    with pytest.raises(StepError, match="assign_new: expected expected_new_tokens or expected_new_positions"):
+        step.assign_new("new_slots", new)
+
+
+def test_positions_assigned_in_use_are_the_ones_the_stamp_checks():
+    """A canary verifies a step, then its expected new positions are assigned through assign_new with
+    one of them off: the stamp after the forward reports that position (the fused path reads the new
+    field through the remade descriptor)."""
+    pytest.importorskip("numba")
+    from kvcanary import Check, Site
+
+    c = Canary(64, config=CanaryConfig(mode="log", backend="fused"))
+    step = good()
+    c.before_forward(step)
+    wrong = step.new_positions.clone()
+    wrong[1] += 3
+    step.assign_new("expected_new_positions", wrong)
+    c.after_forward(step)
+    found = [v for v in c.drain() if v.site == Site.WRITE]  # (the verify finds this fresh pool's slots empty)
+    assert len(found) == 1 and Check.WRITE_INPUT_POSITION in found[0].checks
+    assert found[0].slot == int(step.new_slots[1])

@@ -56,12 +56,13 @@ def prepare(step: Step, pages: frozenset[int], device: torch.device, num_slots: 
 def described(step: Step, owner: Any, pages: frozenset[int], device: torch.device) -> Any:
     """The fused path's descriptor of ``step``, after the checks of :func:`check_step` (those that read
     values run inside the compiled entry); both kept in the step's memo for ``owner`` (a canary)."""
+    from kvcanary.fused._step import describe
+
     if isinstance(step, Step):
         memo = step.memo()
         if memo.get("prepared") is owner:
-            return memo["fused_desc"]
+            return describe(step)  # (with the entries of a field assigned through Step.assign_new remade)
     check_step(step, pages, device)
-    from kvcanary.fused._step import describe
 
     d = describe(step)
     step.memo()["prepared"] = owner

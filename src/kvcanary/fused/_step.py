@@ -20,9 +20,18 @@ _ONE_D = ("cached_lens", "new_offsets", "new_tokens", "new_positions", "new_slot
 
 def describe(step: Step) -> np.ndarray:
     """The descriptor of ``step`` (shapes already checked); it points into the step's tensors, which
-    must outlive its use. Kept in the step's :meth:`~kvcanary.step.Step.memo` for its next op."""
+    must outlive its use. Kept in the step's :meth:`~kvcanary.step.Step.memo` for its next op, the
+    entries of a field assigned through :meth:`~kvcanary.step.Step.assign_new` remade (a new array:
+    one handed out before keeps what it described)."""
     memo = step.memo()
     got = memo.get("fused_desc")
+    changed = memo.pop("changed", None)
+    if got is not None and changed:
+        got = got.copy()
+        for name in changed:
+            f = 3 * _ONE_D.index(name)
+            got[f:f + 3] = addr(getattr(step, name))
+        memo["fused_desc"] = got
     if got is not None:
         return got  # type: ignore[no-any-return]
     d: list[int] = []

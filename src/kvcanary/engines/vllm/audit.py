@@ -62,6 +62,7 @@ def install() -> None:
 
     def forward(impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: Any = None, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()  # the canary's time from here (VllmAudit.layer charges it)
         original = _ORIGINAL["forward"]
         tap = TAPS.get("forward")
         if tap is not None:
@@ -70,9 +71,9 @@ def install() -> None:
         if audit is None or attn_metadata is None or audit.fa is None:
             return original(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if args or kwargs:
-            return audit.layer(original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+            return audit.layer(t0, original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args,
                                **kwargs)
-        return audit.layer(original, impl, layer, query, key, value, kv_cache, attn_metadata, output)
+        return audit.layer(t0, original, impl, layer, query, key, value, kv_cache, attn_metadata, output)
 
     CPUAttentionBackendImpl.forward = forward
 
@@ -239,24 +240,25 @@ class VllmAudit(EngineAudit):
 
     # ---- inside the forward -----------------------------------------------------------------------
 
-    def layer(self, original: Callable[..., Any], impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+    def layer(self, t0: float, original: Callable[..., Any], impl: Any, layer: Any, query: torch.Tensor,
+              key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: Any, *args: Any,
+              **kwargs: Any) -> Any:
         """One covered layer's attention with its checks: where the forward's checks run in one call
         after it (:class:`WideForward`), the write check and fold before the attention (the layer's
         cache write ran just before it) and the audited queries' rows kept after; else every check
-        after the attention (:meth:`check_layer`). A failure of the canary's own goes to :meth:`failed`,
-        never into the engine."""
+        after the attention (:meth:`check_layer`). The canary's seconds from ``t0`` (the patch's first
+        statement) to the engine's attention are charged, and its checks' after it. A failure of the
+        canary's own goes to :meth:`failed`, never into the engine."""
         wide, after = self._wide, CHECK
         if wide is not None:
-            t0 = time.perf_counter()
             try:
                 after = wide.before(layer, query, key, value, md, output)
             except Exception as e:
                 after = NOTHING
                 self.failed(e)
-            dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
-            self.adapter.seconds += dt
-            self.spent += dt
+        dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
+        self.adapter.seconds += dt
+        self.spent += dt
         # (a call without the engine's extra arguments spared packing them: this runs 30 times a forward)
         out = (original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs) if args or kwargs
                else original(impl, layer, query, key, value, kv_cache, md, output))

@@ -180,8 +180,8 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
             step = g.step
             if step is None or step.num_new > given.shape[0]:
                 continue
-            step.expected_new_positions = given[: step.num_new].long()
-            step.memo().pop("fused_desc", None)  # the compiled stamp reads it through a new descriptor
+            # the compiled stamp reads it through the step's descriptor, that field's entries remade
+            step.assign_new("expected_new_positions", given[: step.num_new].long())
 
     def _canary_for(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor]) -> Canary:
         """A group's canary: each layer's bytes described by the geometry of the attention backend
