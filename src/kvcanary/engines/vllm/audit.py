@@ -130,6 +130,8 @@ class VllmAudit(EngineAudit):
         # by the live groups: the covered layers, their layer table, floats and rows
         self._wide_base: dict[tuple[Any, ...], WideBase] = {}
         self._fold_tables: dict[tuple[Any, ...], FoldTables] = {}
+        # by the live groups' names: their covered layers, the layers' windows by number, and the pool's address
+        self._live: dict[tuple[str, ...], tuple[list[str], dict[int, int | None], int]] = {}
         # each group's new tokens' fingerprints folded in this forward's layers, for its stamp
         self.folds: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.folded = 0  # new tokens stamped with fingerprints folded in the layers
@@ -147,6 +149,7 @@ class VllmAudit(EngineAudit):
                     self.index[name] = int(found.group(1)) if found else len(self.index)
                     self.geometry[name] = geometry[name]
                     REGISTRY[name] = self
+        self._live.clear()
         self.say_torch_layers()
 
     def say_torch_layers(self) -> None:
@@ -187,13 +190,11 @@ class VllmAudit(EngineAudit):
         cached = step.cached_lens.long().numpy()
         q = qsl[1:] - qsl[:-1]
         valid = np.asarray(rows.valid.numpy(), dtype=bool)[: len(q)]
-        layers = [n for g in live for n in g.plan.layers if n in self.groups]
+        layers, windows, pool = self._covered(live)
         # a new pool (or dtype: a new pool) or batch shape class is a new situation for the budget
-        pool = self.geometry[layers[0]].tensor.data_ptr() if layers else 0
         situation = (shape_class(len(q), bool((q > 1).any())), pool)
         queries = self.sample(layers, q * valid, qsl, cached, self.index.__getitem__, lambda n: self.groups[n].name,
                               situation=situation, rids=rows.rids)
-        windows = {self.index[n]: self.groups[n].plan.window for n in layers}
         self._to_plan = (queries, windows)  # the per-layer path's plans, made when it runs (_layer_plans)
         self.plans = None
         fa = self.start(forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries, torch.device("cpu"),
@@ -212,6 +213,17 @@ class VllmAudit(EngineAudit):
                 if known is not None and known.compiled:
                     self._tables[name] = self._table(name, known)
         self.planned(t0)
+
+    def _covered(self, live: list[Any]) -> tuple[list[str], dict[int, int | None], int]:
+        """The live groups' covered layers, their windows by layer number and the pool's address (the
+        first layer's cache), made once per set of live groups."""
+        key = tuple(g.name for g in live)
+        got = self._live.get(key)
+        if got is None:
+            layers = [n for g in live for n in g.plan.layers if n in self.groups]
+            windows = {self.index[n]: self.groups[n].plan.window for n in layers}
+            got = self._live[key] = (layers, windows, self.geometry[layers[0]].tensor.data_ptr() if layers else 0)
+        return got
 
     def _deferred(self, live: list[Any], layers: list[str], queries: list[Any]) -> "WideForward | None":
         """This forward's checks as one compiled call after it (:class:`WideForward`), where every covered

@@ -20,7 +20,7 @@ loaded before vLLM's engine starts breaks the start of vLLM 0.32's CPU build.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,16 @@ class FoldTables:
     sources: dict[str, int]
     rows: np.ndarray  # per source: its first key in ``row_keys``, its words' width, 0 (K) or 1 (V); -1: none
     row_keys: np.ndarray
+    _whole: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+
+    def whole(self, groups: list[str]) -> np.ndarray:
+        """Each of ``groups``' count of sources, as a column (-1: a group without a source table, never
+        whole), made once per list of groups."""
+        key = tuple(groups)
+        got = self._whole.get(key)
+        if got is None:
+            got = self._whole[key] = np.array([[self.sources.get(n, -1)] for n in groups], dtype=np.int64)
+        return got
 
 
 def fold_tables(live: list[Any], layers: list[str], group_of: dict[str, Any],
@@ -146,9 +156,7 @@ class Fold:
         self.cnt = np.zeros((len(groups), tokens), dtype=np.int64)
         self.args = (tables.src, tables.runs, tables.keys, tables.spans, tables.rows, tables.row_keys, self.acc,
                      self.cnt)
-        # each group's count of sources, as a column (-1: a group without a source table, never whole)
-        self._whole = np.array([[tables.sources.get(n, -1)] for n in groups], dtype=np.int64)
-        self._off = (*self.args[:6], self.acc[:, :0], self.cnt[:, :0])
+        self._whole = tables.whole(groups)
         self._seen: set[int] = set()
 
     def layer(self, index: int) -> tuple[np.ndarray, ...]:
@@ -161,7 +169,7 @@ class Fold:
     def void(self) -> None:
         """This forward's folds are not used (a layer seen twice): no sums, and none taken from here."""
         self.cnt[:] = INVALID
-        self.args = self._off
+        self.args = (*self.args[:6], self.acc[:, :0], self.cnt[:, :0])
 
     def results(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Each live group's sums and counts, for its canary's stamp."""

@@ -108,7 +108,7 @@ class WideForward:
         qt, sinks = query_table(mine, lambda q: by_number[q.layer][0], lambda q: by_number[q.layer][1].rep,
                                 lambda q: base.windows[by_number[q.layer][0]], sink, len(base.fl), picked)
         qt[:, Q_LOCAL] = np.arange(len(qt))  # each query's row of the kept copies
-        steps = np.stack([describe(g.step) for g in live])
+        steps = describe(live[0].step)[None] if len(live) == 1 else np.stack([describe(g.step) for g in live])
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
         fl = np.concatenate([base.fl, np.asarray(sinks, dtype=np.float64)]) if sinks else base.fl
         wide = cls(base, steps, qt, fl, toks, fold)
