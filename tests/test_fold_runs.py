@@ -53,7 +53,7 @@ def _slots(rng: np.random.Generator, n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["vec", "amx", "token-major"])
 def test_slots_folded_together_match_slot_by_slot(kind: str) -> None:
-    from kvcanary.fused._core import A_TKS, A_WIDTH, SourceTable
+    from kvcanary.fused._core import A_CHUNKS, A_TKS, A_WIDTH, SourceTable
 
     g = torch.Generator().manual_seed(1)
     tensors = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(torch.bfloat16) for _ in range(3)]
@@ -68,9 +68,27 @@ def test_slots_folded_together_match_slot_by_slot(kind: str) -> None:
     side = (table.src[:, A_WIDTH] != 0) & (table.src[:, A_TKS] == table.src[:, A_WIDTH])
     if kind == "vec":
         assert side.any()  # the run fold is taken there
+    # amx V (two tokens' elements in 4 bytes) is folded by lane chunks, the others element by element
+    assert (table.src[:, A_CHUNKS] > 0).any() == (kind == "amx")
     together, one_by_one = _folds()
     slots = _slots(np.random.default_rng(7), BLOCKS * BLOCK)
     got = together(table.src, table.runs, table.keys, slots)
     want = one_by_one(table.src, table.runs, table.keys, slots)
     assert (got == want).all()
     assert (got[slots < 0] == 0).all() and (got[slots >= 0] != 0).all()
+
+
+def test_lane_chunks_are_runs_of_words_a_pack_apart() -> None:
+    """A packed narrow source's words, as (first word, count) pairs of runs each ``pack * width``
+    bytes after the last; none where a pack's elements of a word do not fill 4 or 8 bytes, or the
+    runs are short."""
+    from kvcanary.fused._core import pack_chunks
+
+    # amx V of one head of 32 dimensions: two 16-element strips 1 KiB apart, a word every 4 bytes
+    offs = [k * 4 for k in range(16)] + [1024 + k * 4 for k in range(16)]
+    assert pack_chunks(offs, 2, 2, 2) == [0, 16, 16, 16]
+    assert pack_chunks(offs, 1, 4, 1) == [0, 16, 16, 16]  # four 1-byte lanes in 4 bytes
+    assert pack_chunks(offs, 2, 2, 4) == []  # the pack's elements are not side by side
+    assert pack_chunks(offs, 2, 1, 2) == []  # no pack
+    assert pack_chunks(offs, 4, 4, 4) == []  # 16 bytes a word: wider than a load
+    assert pack_chunks([k * 64 for k in range(32)], 2, 2, 2) == []  # runs of one word

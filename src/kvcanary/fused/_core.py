@@ -173,17 +173,19 @@ SEED = np.int64(hashing.signed(hashing.LINK_SEED))
 
 # per source: address of its storage + offset, page_size, page_stride, pack (slots), pack_stride,
 # token_stride (bytes), width (0: wide 8-byte words, else the narrow element's bytes), words read,
-# words per run (wide), first run offset's index in ``runs``, first key's index in ``keys``
-A_ADDR, A_PS, A_PGS, A_PACK, A_PKS, A_TKS, A_WIDTH, A_WORDS, A_RUNW, A_RUN0, A_KEY0 = range(11)
-NUM_SRC_FIELDS = 11
+# words per run (wide), first run offset's index in ``runs``, first key's index in ``keys``, and
+# its lane chunks (see pack_chunks): the first one's index in ``runs`` and their count (0: none)
+A_ADDR, A_PS, A_PGS, A_PACK, A_PKS, A_TKS, A_WIDTH, A_WORDS, A_RUNW, A_RUN0, A_KEY0, A_CHUNK0, A_CHUNKS = range(13)
+NUM_SRC_FIELDS = 13
 
 
 class SourceTable:
     """A layout as flat int64 arrays for the compiled loops (built once per canary).
 
     ``src`` is ``[num_sources, NUM_SRC_FIELDS]``; ``runs`` the byte offsets of each source's runs
-    from its slot's first byte, in word order; ``keys`` every source's word keys in layout order.
-    The table holds references to the engine's tensors, so their storage outlives it.
+    from its slot's first byte, in word order, then (from ``A_CHUNK0``) its lane chunks as pairs of
+    first word and word count (:func:`pack_chunks`); ``keys`` every source's word keys in layout
+    order. The table holds references to the engine's tensors, so their storage outlives it.
     """
 
     def __init__(self, layout: KvLayout, device: torch.device | str = "cpu") -> None:
@@ -192,21 +194,73 @@ class SourceTable:
         rows: list[list[int]] = []
         runs: list[int] = []
         keys: list[int] = []
+        chunks: list[list[int]] = []
         for i, s in enumerate(layout.sources):
             offs = s.run_offsets().tolist()
             width = s.row_bytes if s.narrow else 0
             nruns = s.read_runs if s.narrow else -(-s.read_words // (s.row_bytes // 8))
             base = s.tensor.untyped_storage().data_ptr() + s.offset
             rows.append([base, s.page_size, s.page_stride, s.pack, s.pack_stride, s.token_stride, width,
-                         s.read_words, 1 if s.narrow else s.row_bytes // 8, len(runs), len(keys)])
+                         s.read_words, 1 if s.narrow else s.row_bytes // 8, len(runs), len(keys), 0, 0])
             runs += offs[:nruns]
             keys += [hashing.signed(hashing.py_word_key(i, j)) for j in range(s.read_words)]
+            chunks.append(pack_chunks(offs[:nruns], width, s.pack, s.token_stride) if s.narrow else [])
+        for row, cs in zip(rows, chunks):  # after every source's runs (source i's start at A_RUN0)
+            row[A_CHUNK0], row[A_CHUNKS] = len(runs), len(cs) // 2
+            runs += cs
         self.src = np.array(rows, dtype=np.int64).reshape(-1, NUM_SRC_FIELDS)
         self.runs = np.array(runs + [0], dtype=np.int64)
         self.keys = np.array(keys + [0], dtype=np.int64).view(np.uint64)
         self.count = len(layout.sources)
         self.bytes_per_slot = layout.content_bytes_per_slot
         self._tensors = [s.tensor for s in layout.sources]  # keeps the storages alive
+
+
+CHUNK_MIN = 4  # words a lane chunk averages at least (fewer: a source is folded element by element)
+
+
+def pack_chunks(offsets: list[int], width: int, pack: int, token_stride: int) -> list[int]:
+    """A narrow source's words as lane chunks, flat pairs of (first word, word count): where a pack's
+    slots' elements of a word lie side by side and fill 4 or 8 bytes (``token_stride == width``,
+    ``pack * width`` 4 or 8: vLLM's ``amx`` V, two tokens' bf16 elements in 4 bytes), a chunk is a run
+    of words each ``pack * width`` bytes after the one before: one word of 4 or 8 bytes holds an
+    element of every slot of the pack (slot ``k`` of the pack in lane ``k``), and a chunk is a loop
+    over contiguous words the compiler vectorises (:func:`fold_lanes`). Empty where the layout is not
+    such, or its chunks average fewer than :data:`CHUNK_MIN` words."""
+    step = pack * width
+    if pack < 2 or token_stride != width or step not in (4, 8) or not offsets:
+        return []
+    out, j0 = [], 0
+    for j in range(1, len(offsets) + 1):
+        if j == len(offsets) or offsets[j] - offsets[j - 1] != step:
+            out += [j0, j - j0]
+            j0 = j
+    return out if len(offsets) >= CHUNK_MIN * (len(out) // 2) else []
+
+
+@njit(inline="always", **JIT)
+def fold_lanes(src, runs, keys, i, base, lane):  # type: ignore[no-untyped-def]
+    """Source ``i``'s part of one slot's fingerprint by its lane chunks (:func:`pack_chunks`):
+    ``base`` is the slot's pack's first byte, ``lane`` the slot's place in the pack. The same sum as
+    element by element."""
+    acc = np.uint64(0)
+    width, pack = src[i, A_WIDTH], src[i, A_PACK]
+    shift = np.uint64(8 * width * lane)
+    mask = np.uint64((1 << (8 * width)) - 1)
+    r, k0, c0 = src[i, A_RUN0], src[i, A_KEY0], src[i, A_CHUNK0]
+    for c in range(src[i, A_CHUNKS]):
+        j0, n = runs[c0 + 2 * c], runs[c0 + 2 * c + 1]
+        a = base + runs[r + j0]
+        ks = carray(u64_pointer(keys.ctypes.data + 8 * (k0 + j0)), n)
+        if pack * width == 4:
+            w4 = carray(u32_pointer(a), n)
+            for p in range(n):
+                acc += wmix(((np.uint64(w4[p]) >> shift) & mask) ^ ks[p])
+        else:
+            w8 = carray(u64_pointer(a), n)
+            for p in range(n):
+                acc += wmix(((w8[p] >> shift) & mask) ^ ks[p])
+    return acc
 
 
 def slot_base(src_row: np.ndarray, slots: np.ndarray | int) -> np.ndarray | int:
@@ -255,8 +309,10 @@ def fold_source(src, runs, keys, i, slot):  # type: ignore[no-untyped-def]
     page = slot // ps
     inpage = slot - page * ps
     pack = src[i, A_PACK]
-    base = (src[i, A_ADDR] + page * src[i, A_PGS] + (inpage // pack) * src[i, A_PKS]
-            + (inpage % pack) * src[i, A_TKS])
+    group = src[i, A_ADDR] + page * src[i, A_PGS] + (inpage // pack) * src[i, A_PKS]  # the slot's pack
+    if src[i, A_CHUNKS]:
+        return fold_lanes(src, runs, keys, i, group, inpage % pack)
+    base = group + (inpage % pack) * src[i, A_TKS]
     width = src[i, A_WIDTH]
     left = src[i, A_WORDS]
     r = src[i, A_RUN0]
