@@ -50,6 +50,7 @@ REGISTRY: dict[str, "VllmAudit"] = {}  # layer name -> the audit of the canary t
 # tap(original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 TAPS: dict[str, Callable[..., Any]] = {}
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
+CPU = torch.device("cpu")  # the host path's device (made once: each forward's plan passes it)
 
 
 def install() -> None:
@@ -186,8 +187,9 @@ class VllmAudit(EngineAudit):
             return
         t0 = time.perf_counter()
         step = live[0].step
-        qsl = step.new_offsets.long().numpy()
-        cached = step.cached_lens.long().numpy()
+        # on the host already: numpy views, made int64 by numpy (a torch conversion costs microseconds here)
+        qsl = np.asarray(step.new_offsets.numpy(), dtype=np.int64)
+        cached = np.asarray(step.cached_lens.numpy(), dtype=np.int64)
         q = qsl[1:] - qsl[:-1]
         valid = np.asarray(rows.valid.numpy(), dtype=bool)[: len(q)]
         layers, windows, pool = self._covered(live)
@@ -197,9 +199,9 @@ class VllmAudit(EngineAudit):
                               situation=situation, rids=rows.rids)
         self._to_plan = (queries, windows)  # the per-layer path's plans, made when it runs (_layer_plans)
         self.plans = None
-        fa = self.start(forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries, torch.device("cpu"),
+        fa = self.start(forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries, CPU,
                         host=True)
-        self.pick_writes(int(qsl[-1]), torch.device("cpu"))
+        self.pick_writes(int(qsl[-1]), CPU)
         if all(g.canary.backend == "fused" for g in live):
             self._wide = self._deferred(live, layers, fa.queries)
         if self._wide is None:
@@ -308,7 +310,7 @@ class VllmAudit(EngineAudit):
         first use: the one call after the forward needs none)."""
         if self.plans is None:
             queries, windows = self._to_plan
-            self.plans = plan_layers(queries, windows, torch.device("cpu"))
+            self.plans = plan_layers(queries, windows, CPU)
         return self.plans
 
     def failed(self, e: Exception) -> None:

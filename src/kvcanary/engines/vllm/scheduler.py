@@ -89,32 +89,38 @@ class SchedulerSide:
         meta = CanaryMeta(finished=self._finished, zeroed=list(so.new_block_ids_to_zero or []),
                           copies=[(int(c[0]), int(c[1])) for c in getattr(so, "kv_cache_block_copies", None) or ()])
         self._finished = []
+        step = (so.num_scheduled_tokens, so.scheduled_spec_decode_tokens or {})  # looked up once a step
         for r in so.scheduled_new_reqs:
-            self._add(meta, so, r.req_id, r.num_computed_tokens, r.block_ids, resumed=True)
+            self._add(meta, step, r.req_id, r.num_computed_tokens, r.block_ids, resumed=True)
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        blocks = self._blocks()
         for i, rid in enumerate(cached.req_ids):
-            self._add(meta, so, rid, cached.num_computed_tokens[i], self._blocks(rid), resumed=rid in resumed)
+            self._add(meta, step, rid, cached.num_computed_tokens[i], blocks(rid), resumed=rid in resumed)
         return meta
 
-    def _blocks(self, rid: str) -> Any:
-        """A running request's blocks per KV cache group: vLLM's own lists of its blocks where the
-        manager exposes them (one lookup, no copy of the request's block ids each step), else its
-        block ids."""
+    def _blocks(self) -> Callable[[str], Any]:
+        """A running request's blocks per KV cache group, by its id: vLLM's own lists of its blocks
+        where the manager exposes them (one lookup, no copy of the request's block ids each step),
+        else its block ids."""
         m = self._kv_cache_manager
         if m is None:
-            return ()
+            return lambda rid: ()
         get = getattr(getattr(m, "coordinator", None), "get_blocks", None)
-        return get(rid) if get is not None else m.get_block_ids(rid)
+        return get if get is not None else m.get_block_ids  # type: ignore[no-any-return]
 
-    def _add(self, meta: CanaryMeta, so: Any, rid: str, computed: int, block_ids: Any, resumed: bool) -> None:
+    def _add(self, meta: CanaryMeta, step: tuple[Any, Any], rid: str, computed: int, block_ids: Any,
+             resumed: bool) -> None:
+        """One scheduled request's :class:`ReqStep` (``step``: the scheduler output's scheduled token
+        counts and drafts, by request)."""
         req = self._reqs.get(rid)
-        blocks = block_ids[self.primary] if len(block_ids) > self.primary else []
-        bs = self.block_size
+        primary, bs = self.primary, self.block_size
+        blocks = block_ids[primary] if len(block_ids) > primary else []
         if req is None or computed // bs >= len(blocks):
             return
-        scheduled = int(so.num_scheduled_tokens[rid])
-        drafts = [int(t) for t in (so.scheduled_spec_decode_tokens or {}).get(rid, ())]
+        scheduled = int(step[0][rid])
+        spec = step[1].get(rid)
+        drafts = [int(t) for t in spec] if spec else []
         have = self._sent.get(rid, 0)
         known = req.all_token_ids
         upto = min(len(known), computed + scheduled)  # a token not yet sampled is not sent, never guessed
