@@ -57,7 +57,7 @@ def test_a_scrape_matches_the_canary_counters_and_counts_violations_by_check(lla
     guard = run(llama, CanaryConfig(mode="log", content_budget_bytes=None, metrics=True), [fault])
     after = samples(metrics.process_metrics().text())
     assert fault.injected_at is not None and guard.violations
-    heal = guard.heal_counts()  # the adapter's own counts go out with its first canary's labels
+    heal = guard.own_counts()  # the adapter's own counts go out with its first canary's labels
     assert heal["harmful_tokens"] > 0  # log mode: the forwards that read the flipped byte sampled from it
     first = next(iter(guard.named_canaries()))
     for name, c in guard.named_canaries().items():
@@ -78,6 +78,36 @@ def test_a_scrape_matches_the_canary_counters_and_counts_violations_by_check(lla
         value(before, "kvcanary_violations_total", engine="transformers", check="content", site="verify")
     want = sum(1 for v in guard.violations if Check.CONTENT in v.checks and v.site == Site.VERIFY)
     assert hits == want > 0
+
+
+def test_an_adapters_own_counters_go_out_with_its_first_canarys_labels():
+    """An engine's own counters (vLLM's forwards whose steps were built on the device) are published
+    with its first canary's labels, as its healing counters are, and not with the others'."""
+    from kvcanary.engines.base import Adapter
+
+    class Canary:
+        def __init__(self):
+            self.n = 0
+
+        def stats(self):
+            return {"steps": self.n}
+
+    class Engine(Adapter):
+        engine = "stub"
+
+        def named_canaries(self):
+            return self.canaries
+
+        def own_counts(self):
+            return {**self.heal_counts(), "device_forwards": 7}
+
+    m = metrics.Metrics()
+    e = Engine(CanaryConfig(mode="log"))
+    e.metrics, e.canaries = m, {"g0": Canary(), "g1": Canary()}
+    e.publish_metrics(force=True)
+    snap = samples(m.text())
+    assert value(snap, "kvcanary_device_steps_total", engine="stub", group="g0") == 7
+    assert value(snap, "kvcanary_device_steps_total", engine="stub", group="g1") == 0
 
 
 def _free_port():

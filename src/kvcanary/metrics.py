@@ -57,6 +57,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "blocks_evicted": ("kvcanary_blocks_evicted", "Blocks dropped from the prefix cache because their bytes changed"),
     "harmful_tokens": ("kvcanary_harmful_tokens", "Tokens sampled from corrupted KV before the canary reported it "
                        "(an upper bound; kvcanary.harm)"),
+    "device_forwards": ("kvcanary_device_steps", "Forwards whose steps were built on the device, nothing read back "
+                        "before them (vLLM)"),
 }
 
 

@@ -160,8 +160,13 @@ class Adapter:
 
     def heal_counts(self) -> dict[str, int]:
         """The adapter's healing counters (requests repaired and failed, blocks evicted, harmful
-        tokens), published with its first canary's metrics."""
+        tokens)."""
         return {"harmful_tokens": self.harm.harmful}
+
+    def own_counts(self) -> dict[str, int]:
+        """The adapter's own counters, published with its first canary's metrics: its healing
+        counters, and any its engine adds."""
+        return self.heal_counts()
 
     def request_at(self, step: int, row: int) -> str | None:
         """The request behind row ``row`` of canary step ``step``, while the adapter remembers it."""
@@ -200,7 +205,7 @@ class Adapter:
             st = c.stats()
             if i == 0:  # the adapter's own failures and healing, counted once
                 st["internal_errors"] = st.get("internal_errors", 0) + self.internal_errors
-                st.update(self.heal_counts())
+                st.update(self.own_counts())
             self.metrics.publish(c, st, {**labels, "group": name})
 
     def work_context(self) -> ContextManager[Any]:

@@ -290,7 +290,8 @@ def _prom_stats(prom: str) -> dict[str, int]:
     MultiProcessCollector(reg, path=prom)
     names = {"kvcanary_slots_verified_total": "slots_verified", "kvcanary_steps_total": "forwards",
              "kvcanary_internal_errors_total": "internal_errors",
-             "kvcanary_content_slots_verified_total": "content_slots_verified"}
+             "kvcanary_content_slots_verified_total": "content_slots_verified",
+             "kvcanary_device_steps_total": "device_forwards"}
     out: dict[str, int] = {}
     for fam in text_string_to_metric_families(generate_latest(reg).decode()):
         for s in fam.samples:

@@ -400,6 +400,9 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
     def heal_counts(self) -> dict[str, int]:
         return {**Adapter.heal_counts(self), **self.heal.counts}
 
+    def own_counts(self) -> dict[str, int]:
+        return {**self.heal_counts(), "device_forwards": self.device_forwards}
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The bad blocks of this forward (healing modes, one KV cache group): vLLM drops the forward's
         output for every request whose computed blocks hold one, then recomputes or fails them."""
