@@ -1,8 +1,8 @@
 """The content fingerprint's speed on vLLM's CPU cache layouts, against this core's memory bandwidth.
 
 The verify's content window and the patrol fingerprint runs of neighbouring slots over every layer of
-a pool (:func:`kvcanary.fused._core.fold_slots`), the guard and the first-read checks one slot at a
-time (:func:`~kvcanary.fused._core.fold_slot`). This times both on the trained model's geometry
+a pool (:func:`kvcanary.fused.fold.fold_slots`), the guard and the first-read checks one slot at a
+time (:func:`~kvcanary.fused.fold.fold_slot`). This times both on the trained model's geometry
 (SmolLM2-135M: 30 layers, 3 KV heads of 64, block size 32, bf16) in vLLM's ``vec`` and ``amx``
 layouts, for a window-sized run of slots (``--slots``, default 11: the 256 KiB content window of
 one forward of that model) and for single slots, with the pool's lines in the caches (``hot``) and
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from numba import njit  # noqa: E402
 
 from kvcanary import layouts  # noqa: E402
-from kvcanary.fused._core import SourceTable, fold_slot, fold_slots  # noqa: E402
+from kvcanary.fused.fold import SourceTable, fold_slot, fold_slots  # noqa: E402
 
 torch.set_num_threads(args.threads)
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 30, 3, 64, 32, 256

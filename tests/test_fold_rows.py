@@ -1,7 +1,7 @@
 """A new token's fingerprint folded from the K and V rows its layer computed
-(:func:`kvcanary.fused._core.fold_row`, keys put in the rows' order by
+(:func:`kvcanary.fused.fold.fold_row`, keys put in the rows' order by
 :func:`kvcanary.engines.vllm.fold.row_keys`) equals the fold of the same bytes in the cache
-(:func:`kvcanary.fused._core.fold_source`), on vLLM's CPU layouts: ``vec`` (K column-major, one
+(:func:`kvcanary.fused.fold.fold_source`), on vLLM's CPU layouts: ``vec`` (K column-major, one
 narrow element a word; V token-major, wide words) in bf16 and fp32, and ``amx`` (K in 4-byte pairs
 packed across 16 tokens, V in 2-byte elements across token pairs). The per-layer keep
 (:func:`kvcanary.fused.keep.keep_layer`) takes the rows only for a token whose write check found
@@ -23,7 +23,7 @@ BLOCKS, HEADS, BLOCK, DIM = 6, 3, 32, 64
 
 
 def _pool(isa: str, dtype: torch.dtype, layers: int = 2):  # type: ignore[no-untyped-def]
-    from kvcanary.fused._core import SourceTable
+    from kvcanary.fused.fold import SourceTable
     from kvcanary.geometry.vllm_cpu import vllm_cpu
     from kvcanary.layout import KvLayout
 
@@ -40,7 +40,7 @@ def _pool(isa: str, dtype: torch.dtype, layers: int = 2):  # type: ignore[no-unt
 def _fold_both():  # type: ignore[no-untyped-def]
     from numba import njit
 
-    from kvcanary.fused._core import fold_row, fold_source
+    from kvcanary.fused.fold import fold_row, fold_source
 
     @njit
     def from_cache(src, runs, keys, i, slot):  # type: ignore[no-untyped-def]
@@ -80,7 +80,7 @@ def test_a_slot_folded_from_its_computed_rows_equals_its_fold_from_the_cache(isa
 
 def test_a_source_of_part_of_a_row_is_not_folded_from_rows() -> None:
     from kvcanary.engines.vllm.fold import row_keys
-    from kvcanary.fused._core import A_WORDS
+    from kvcanary.fused.fold import A_WORDS
 
     geos, table, _, _ = _pool("vec", torch.bfloat16, layers=1)
     assert row_keys(table.src[0], table.runs, table.keys, geos[0], "k") is not None

@@ -1,6 +1,6 @@
-"""The compiled fold of many slots at once (:func:`kvcanary.fused._core.fold_slots`, the verify window's
+"""The compiled fold of many slots at once (:func:`kvcanary.fused.fold.fold_slots`, the verify window's
 and the patrol's) gives every slot the fingerprint the slot-by-slot fold gives it, where runs of
-neighbouring slots are folded element by element across them (:func:`kvcanary.fused._core.fold_run`):
+neighbouring slots are folded element by element across them (:func:`kvcanary.fused.fold.fold_run`):
 vLLM's CPU layouts, whose K is narrow and column-major (``vec``) or packed in 16-token groups (``amx``),
 and a token-major one (wide words), over slot lists with runs that cross pages and packs, short runs,
 gaps and absent entries."""
@@ -22,7 +22,7 @@ BLOCKS, HEADS, BLOCK, DIM = 12, 2, 32, 64
 def _folds():  # type: ignore[no-untyped-def]
     from numba import njit
 
-    from kvcanary.fused._core import fold_slot, fold_slots
+    from kvcanary.fused.fold import fold_slot, fold_slots
 
     @njit
     def together(src, runs, keys, slots):  # type: ignore[no-untyped-def]
@@ -53,7 +53,7 @@ def _slots(rng: np.random.Generator, n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["vec", "amx", "token-major"])
 def test_slots_folded_together_match_slot_by_slot(kind: str) -> None:
-    from kvcanary.fused._core import A_CHUNKS, A_TKS, A_WIDTH, SourceTable
+    from kvcanary.fused.fold import A_CHUNKS, A_TKS, A_WIDTH, SourceTable
 
     g = torch.Generator().manual_seed(1)
     tensors = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(torch.bfloat16) for _ in range(3)]
@@ -82,7 +82,7 @@ def test_lane_chunks_are_runs_of_words_a_pack_apart() -> None:
     """A packed narrow source's words, as (first word, count) pairs of runs each ``pack * width``
     bytes after the last; none where a pack's elements of a word do not fill 4 or 8 bytes, or the
     runs are short."""
-    from kvcanary.fused._core import pack_chunks
+    from kvcanary.fused.fold import pack_chunks
 
     # amx V of one head of 32 dimensions: two 16-element strips 1 KiB apart, a word every 4 bytes
     offs = [k * 4 for k in range(16)] + [1024 + k * 4 for k in range(16)]

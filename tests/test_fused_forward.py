@@ -13,7 +13,7 @@ import torch
 
 from kvcanary import Canary, CanaryConfig
 from kvcanary.errors import KvCanaryError, StepError
-from kvcanary.fused._core import fold_source
+from kvcanary.fused.fold import fold_source
 
 from factories import DEV, clone_step, corrupt, make_layout, prefill_of, random_step
 

@@ -54,7 +54,7 @@ class GuardSlots:
         # the fused path: the reserved slots' bytes as they were when ``base`` was taken
         self.regions: Any = None
         self.snapshot: Any = None
-        if n and device.type == "cpu" and hasattr(table, "runs"):  # a fused layout table (kvcanary.fused._core)
+        if n and device.type == "cpu" and hasattr(table, "runs"):  # a fused layout table (kvcanary.fused.fold)
             from kvcanary.fused.snapshot import regions, taken
 
             self.regions = regions(table, self.reserved.numpy(), table.bytes_per_slot)

@@ -12,7 +12,7 @@ scrub     ``checks.scrub``            ``fused.ops.scrub``     ``kernels.scrub.sc
 Every implementation of an op has one signature (below), so the canary dispatches, the parity
 tests compare and the benchmarks time by iterating :data:`OPS`; each backend also says how it
 prepares a layout (:data:`PREPARE`). ``table`` is that prepared layout: the
-:class:`~kvcanary.layout.KvLayout` itself (torch), a :class:`kvcanary.fused._core.SourceTable`
+:class:`~kvcanary.layout.KvLayout` itself (torch), a :class:`kvcanary.fused.fold.SourceTable`
 (fused) or a :class:`kvcanary.kernels._common.SourceTable` (Triton).
 
 - ``verify(stamps, table, step, counters, cursor, content_slots, ring, part)``: verify the step's
@@ -80,7 +80,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
 
 PREPARE: dict[str, str] = {
     "torch": "kvcanary.ops:torch_prepare",
-    "fused": "kvcanary.fused._core:SourceTable",
+    "fused": "kvcanary.fused.fold:SourceTable",
     "triton": "kvcanary.ops:triton_prepare",
 }
 

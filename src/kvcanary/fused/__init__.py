@@ -76,7 +76,7 @@ def _warm_up() -> None:
     import torch
 
     from kvcanary.fused import ops, steps
-    from kvcanary.fused._core import SourceTable
+    from kvcanary.fused.fold import SourceTable
     from kvcanary.layout import KvLayout
     from kvcanary.source import ByteSource
     from kvcanary.step import Step
@@ -136,7 +136,7 @@ def _warm_audit(desc: Any) -> None:
     import numpy as np
 
     from kvcanary.audit.tables import LAYER_COLUMNS, QUERY_COLUMNS, STRIDE_COLUMNS
-    from kvcanary.fused._core import NUM_SRC_FIELDS
+    from kvcanary.fused.fold import NUM_SRC_FIELDS
     from kvcanary.fused.audit import check_forward
     from kvcanary.fused.keep import keep_layer, keep_layer_at, keep_queries, keep_tables
 

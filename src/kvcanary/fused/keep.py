@@ -21,7 +21,8 @@ from kvcanary.audit.tables import (L_DIM, L_ESIZE, L_HEADS, L_MAX_SLOT, L_STEP, 
                                    S_Q, S_V)
 from typing import Any, Callable
 
-from kvcanary.fused._core import JIT, fold_row, fold_source, i64_pointer, ld_u8, u64_pointer
+from kvcanary.fused._core import JIT, i64_pointer, ld_u8, u64_pointer
+from kvcanary.fused.fold import fold_row, fold_source
 from kvcanary.fused._step import NNEW, NS, rd
 from kvcanary.fused.audit import check_write
 from kvcanary.fused.cache import njit
@@ -69,7 +70,7 @@ def keep_layer(layers, lay, ka, va, strides, steps, toks, half, head, fsrc, frun
     the layer's part of every new token's fingerprint, taken from what was written.
 
     The fold: sources ``lfold[lay, 0]`` to ``lfold[lay, 1]`` of the source table
-    ``fsrc``/``fruns``/``fkeys`` (:class:`kvcanary.fused._core.SourceTable`'s arrays, every group's
+    ``fsrc``/``fruns``/``fkeys`` (:class:`kvcanary.fused.fold.SourceTable`'s arrays, every group's
     together) are added into ``facc[g, t]`` for new token ``t`` of the layer's step ``g``, and counted in
     ``fcnt[g, t]`` (``facc`` of no columns: nothing folded). A token whose write check found the cache
     equal to its computed K and V is folded from those rows (contiguous: a loop the compiler

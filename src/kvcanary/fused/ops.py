@@ -14,8 +14,8 @@ import torch
 
 from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UNKNOWN_POS
 from kvcanary.errors import KvCanaryError
-from kvcanary.fused._core import (JIT, SEED, SourceTable, finish_content, fold_slot, fold_slots, g_term, ld, ld_i32,
-                                  ld_i64, link_next, prefetch, st_i64)
+from kvcanary.fused._core import JIT, SEED, finish_content, g_term, ld, ld_i32, ld_i64, link_next, prefetch, st_i64
+from kvcanary.fused.fold import SourceTable, fold_slot, fold_slots
 from kvcanary.fused._step import (CL, ENP, ENT, ER, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
                                   describe, expected_row, lookup, rd, rd2, record, start, table_row, valid)
 from kvcanary.fused._step import _LIM, TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
@@ -75,7 +75,7 @@ def _fetch_block(stamps, num_slots, row, tesz, tcs, col, span, bs, lim):  # type
 def _window(d, part, num_slots, src, runs, keys, cur, k, n):  # type: ignore[no-untyped-def]
     """The content fingerprints of the verify window: the ``k`` read entries from entry ``cur`` on
     (mod ``n``, the reads in the order :func:`_verify` walks them), the ``j``-th at ``[j]`` (0: an
-    entry without a slot), folded by :func:`~kvcanary.fused._core.fold_slots` (the window's slots
+    entry without a slot), folded by :func:`~kvcanary.fused.fold.fold_slots` (the window's slots
     are mostly neighbours in a page)."""
     nrows = d[NROWS]
     first = np.zeros(nrows + 1, dtype=np.int64)  # the rows' first entries (and the end)
@@ -257,7 +257,7 @@ def _stamp(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, seed
            pre_cnt):  # type: ignore[no-untyped-def]
     """Stamp the step's writes and check them. ``pre_acc[t]`` and ``pre_cnt[t]``: new token ``t``'s
     fingerprint already folded over ``pre_cnt[t]`` of the sources (unfinished, see
-    :func:`kvcanary.fused._core.fold_source`); where that is all of them it is the token's content,
+    :func:`kvcanary.fused.fold.fold_source`); where that is all of them it is the token's content,
     else the slot is folded here (empty arrays: every slot is)."""
     nrows, nnew = d[NROWS], d[NNEW]
     npre = pre_cnt.shape[0]
@@ -368,7 +368,7 @@ def scrub_one(stamps, num_slots, src, runs, keys, s, counters, ring, cap, site, 
 @njit(inline="always", **JIT)
 def scrub_run(stamps, num_slots, src, runs, keys, first, n, counters, ring, cap, site, step_id):  # type: ignore[no-untyped-def]
     """:func:`scrub_one` of the ``n`` slots from ``first`` on (mod ``num_slots``), folded together
-    (:func:`~kvcanary.fused._core.fold_slots`); the live slots among them."""
+    (:func:`~kvcanary.fused.fold.fold_slots`); the live slots among them."""
     slots = np.empty(max(n, 0), dtype=np.int64)
     m = 0
     for i in range(n):

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import carray
 
-from kvcanary.fused._core import (A_RUN0, A_RUNW, A_WIDTH, A_WORDS, JIT, SourceTable, i64_pointer, ld_i64, ld_u8,
-                                  slot_base, st_i64, st_u8)
+from kvcanary.fused._core import JIT, i64_pointer, ld_i64, ld_u8, st_i64, st_u8
+from kvcanary.fused.fold import A_RUN0, A_RUNW, A_WIDTH, A_WORDS, SourceTable, slot_base
 from kvcanary.fused.cache import njit
 
 R_ADDR, R_LEN, R_AT = range(3)  # a region: its address, its length, its offset in the snapshot
@@ -29,7 +29,7 @@ _CHUNK = 64  # words compared between two tests in same()
 
 def _spans(table: SourceTable, slots: np.ndarray) -> np.ndarray:
     """``[n * sources, 2]``: each slot's first byte and end byte in each source, as the slot's
-    fingerprint reads it (:func:`kvcanary.fused._core.fold_slot`)."""
+    fingerprint reads it (:func:`kvcanary.fused.fold.fold_slot`)."""
     out = []
     src, runs = table.src, table.runs
     for i in range(src.shape[0]):

@@ -1,7 +1,7 @@
 """vLLM (CPU build): the new tokens' content fingerprints folded inside each layer's forward.
 
 A stamp's content fingerprint is a sum over the slot's words of every layer's K and V
-(:func:`kvcanary.fused._core.fold_source`), so each layer's part can be added as that layer writes,
+(:func:`kvcanary.fused.fold.fold_source`), so each layer's part can be added as that layer writes,
 while its bytes are still in the CPU's caches. Folded after the forward instead, each token's K in
 vLLM's column-major CPU layout (``vec``, ``vec16``: one element per cache line) is read back from
 memory: about 1 ms a forward for 16 tokens of a 30-layer model, the largest part of the canary's
@@ -59,7 +59,7 @@ def fold_tables(live: list[Any], layers: list[str], group_of: dict[str, Any],
     and the covered ``layers`` in the layer table's order (``spans``: each layer's sources in its
     group's layout, its K's then its V's; ``geometry``: each layer's, where its tokens may be folded
     from their computed rows)."""
-    from kvcanary.fused._core import A_CHUNK0, A_KEY0, A_RUN0, NUM_SRC_FIELDS, SourceTable
+    from kvcanary.fused.fold import A_CHUNK0, A_KEY0, A_RUN0, NUM_SRC_FIELDS, SourceTable
 
     srcs, runs, keys = [], [], []
     first: dict[str, int] = {}
@@ -114,7 +114,7 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     word whose elements are not neighbours in the row). ``src``: the source's row of the source
     table, whose runs and keys are in ``runs`` and ``keys``; ``geometry``: the layer's, which says
     where each element of a slot lies (checked on a few slots)."""
-    from kvcanary.fused._core import A_KEY0, A_PS, A_RUN0, A_RUNW, A_WIDTH, A_WORDS, slot_base
+    from kvcanary.fused.fold import A_KEY0, A_PS, A_RUN0, A_RUNW, A_WIDTH, A_WORDS, slot_base
 
     esz, heads, dim = geometry.element_size, geometry.num_kv_heads, geometry.head_dim
     width, words = int(src[A_WIDTH]) or 8, int(src[A_WORDS])
