@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -71,18 +70,6 @@ def child(cfg: dict[str, Any]) -> None:
                                   **{f"{k}_s": v for k, v in spent.items()}, "tokens": out["tokens"]}), flush=True)
 
 
-def run(cfg: dict[str, Any], threads: int) -> dict[str, Any]:
-    """One run (:func:`child`) in a fresh process with the default configuration."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_")}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads))
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], capture_output=True,
-                       text=True, timeout=1200, env=env)
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if p.returncode != 0 or line is None:
-        raise SystemExit(f"vllm_engine_time.py: the engine run failed:\n{p.stderr[-3000:]}")
-    return dict(json.loads(line[len("RESULT "):]))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -94,6 +81,7 @@ def main() -> int:
         return 0
     sys.path.insert(0, HERE)
     from vllm_cpu import real_workload
+    from vllm_stages import run
 
     model, extra, name = real_workload(argparse.Namespace(requests=16))
     rows: list[dict[str, Any]] = []
@@ -102,7 +90,7 @@ def main() -> int:
         for canary in ((False, True) if rnd % 2 == 0 else (True, False)):
             cfg = {"model": model, "canary": canary, "requests": 16, "max_tokens": 64, "max_seqs": 16,
                    "num_blocks": 256, "warmup": 4, **extra}
-            out = run(cfg, args.threads)
+            out = run(cfg, args.threads, [], script=__file__)
             tokens = sorted(out.pop("tokens").values())
             first = first or tokens
             row = {"round": rnd, "canary": canary, **{k: round(v, 4) for k, v in out.items()},

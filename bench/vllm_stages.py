@@ -134,15 +134,18 @@ def child(cfg: dict[str, Any]) -> None:
           flush=True)
 
 
-def run(cfg: dict[str, Any], threads: int, config: list[str]) -> dict[str, Any]:
+def run(cfg: dict[str, Any], threads: int, config: list[str], script: str = __file__) -> dict[str, Any]:
+    """``script --child CFG_JSON`` (this one's :func:`child` by default) in a fresh process, in-process
+    engine, ``threads`` intra-op threads, ``config`` (``KVCANARY_X=V``) its only canary variables:
+    its ``RESULT`` line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_")}
     env.update(kv.split("=", 1) for kv in config)
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads))
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], capture_output=True,
+    p = subprocess.run([sys.executable, os.path.abspath(script), "--child", json.dumps(cfg)], capture_output=True,
                        text=True, timeout=1200, env=env)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if p.returncode != 0 or line is None:
-        raise SystemExit(f"vllm_stages.py: the engine run failed:\n{p.stderr[-3000:]}")
+        raise SystemExit(f"{os.path.basename(script)}: the engine run failed:\n{p.stderr[-3000:]}")
     return dict(json.loads(line[len("RESULT "):]))
 
 
