@@ -203,7 +203,7 @@ class VllmAudit(EngineAudit):
                         host=True)
         self.pick_writes(int(qsl[-1]), CPU)
         if all(g.canary.backend == "fused" for g in live):
-            self._wide = self._deferred(live, layers, fa.queries)
+            self._wide = self._deferred(live, layers, pool, fa.queries)
         if self._wide is None:
             self._layer_plans()
         if self._wide is None and any(g.canary.backend == "fused" for g in live):
@@ -227,12 +227,13 @@ class VllmAudit(EngineAudit):
             got = self._live[key] = (layers, windows, self.geometry[layers[0]].tensor.data_ptr() if layers else 0)
         return got
 
-    def _deferred(self, live: list[Any], layers: list[str], queries: list[Any]) -> "WideForward | None":
+    def _deferred(self, live: list[Any], layers: list[str], pool: int, queries: list[Any]) -> "WideForward | None":
         """This forward's checks as one compiled call after it (:class:`WideForward`), where every covered
-        layer was seen (its constants known) and the compiled loop reads it; else ``None``."""
+        layer was seen (its constants known) and the compiled loop reads it; else ``None`` (``pool``:
+        the first covered layer's cache address, :meth:`_covered`'s)."""
         if not layers:
             return None
-        key = (*(g.name for g in live), self.geometry[layers[0]].tensor.data_ptr())
+        key = (*(g.name for g in live), pool)
         base = self._wide_base.get(key)
         if base is None or base.names != layers:  # a layer's statics, once seen, stay
             statics = [self.seen.get(n) for n in layers]
