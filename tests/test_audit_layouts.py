@@ -32,9 +32,10 @@ def test_the_compiled_audit_reads_each_vllm_cpu_layout_as_the_reference(isa: str
 
     g = torch.Generator().manual_seed(11)
     geo = vllm_cpu(torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(dtype), isa, BLOCK, HEADS, DIM)
-    # two requests, one new token each: 21 positions in block 3, and 41 over blocks 1 and 4
+    # two requests, one new token each: 21 positions in block 3, and 42 over blocks 1 and 4 (an even slot
+    # and an odd one: amx V holds a pair of tokens' elements in each 4-byte word, one in each lane)
     table = torch.tensor([[3, -1], [1, 4]])
-    positions = torch.tensor([20, 40])
+    positions = torch.tensor([20, 41])
     new_slots = table[torch.arange(2), positions // BLOCK] * BLOCK + positions % BLOCK
     step = Step(cached_lens=positions, new_offsets=torch.tensor([0, 1, 2]), new_tokens=torch.tensor([7, 9]),
                 new_positions=positions, new_slots=new_slots, block_table=table, block_size=BLOCK)
@@ -90,14 +91,20 @@ def test_the_compiled_audit_reads_each_vllm_cpu_layout_as_the_reference(isa: str
     assert half.tolist() == [2, 1] and head.tolist() == [1, 1]
     ck.copy_(geo.k_rows(new_slots))
     cv.copy_(geo.v_rows(new_slots))
-    # every element of every head, K and V: its lowest bit flipped is found in its half and head, whatever
-    # word the compare reads it in (a strip of a pair, a row of 8-byte words, one element)
+    # every element of every head, K and V, of both tokens: its lowest and highest bit flipped is found in
+    # its half and head, whatever word the compare reads it in (a strip of a pair, a row of 8-byte words,
+    # one element, an element in its lane of a word)
     bits = torch.int16 if geo.element_size == 2 else torch.int32
-    for which, rows_ in ((1, ck), (2, cv)):
-        for h in range(HEADS):
-            for d in range(DIM):
-                rows_.view(bits)[0, h, d] ^= 1
-                _, half, head = run()
-                rows_.view(bits)[0, h, d] ^= 1
-                assert half.tolist() == [which, 0] and head.tolist() == [h, 0], (which, h, d)
+    top = -(1 << (8 * geo.element_size - 1))  # the sign bit, as the signed view holds it
+    for r in range(2):
+        for which, rows_ in ((1, ck), (2, cv)):
+            for h in range(HEADS):
+                for d in range(DIM):
+                    for bit in (1, top):
+                        rows_.view(bits)[r, h, d] ^= bit
+                        _, half, head = run()
+                        rows_.view(bits)[r, h, d] ^= bit
+                        want_half, want_head = [0, 0], [0, 0]
+                        want_half[r], want_head[r] = which, h
+                        assert half.tolist() == want_half and head.tolist() == want_head, (r, which, h, d, bit)
     assert run()[1].tolist() == [0, 0]
