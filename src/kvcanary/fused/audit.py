@@ -29,7 +29,7 @@ import math
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import carray, types
+from numba import types
 from numba.extending import intrinsic
 
 from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD_STRIDE, D_STRIP, D_STRIP_STRIDE,
@@ -38,7 +38,7 @@ from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD
                                    L_HEADS, L_K, L_MAX_SLOT, L_QCODE, L_STEP, L_V, LAYER_COLUMNS, PTR_K, PTR_O, PTR_Q,
                                    PTR_V, Q_CACHED, Q_HEAD, Q_KV_HEAD, Q_LAYER, Q_LOCAL, Q_PICKED, Q_POSITION, Q_ROW,
                                    Q_SINK, Q_START, Q_TOKEN, S_K, S_O, S_Q, S_V)
-from kvcanary.fused._core import JIT, ld_i64, ld_u8, ld_u16, ld_u32, prefetch, u16_pointer, u32_pointer, u64_pointer
+from kvcanary.fused._core import JIT, ld_i64, ld_u8, ld_u16, ld_u32, prefetch
 from kvcanary.fused._step import NS, lookup, rd
 from kvcanary.fused.cache import njit
 
@@ -125,39 +125,22 @@ def ldbits(addr, esz):  # type: ignore[no-untyped-def]
 @njit(inline="always", **JIT)
 def _differs(a, sa, b, cd, esz, nd):  # type: ignore[no-untyped-def]
     """Whether ``nd`` elements of ``esz`` bytes at ``a`` (stride ``sa``) and a cache row at ``b``
-    (descriptor ``cd``'s strips) differ in any bit. The rows' differences are or-ed over arrays
-    on raw memory, with no exit on the first one, so the compiler vectorises the loops: 8 bytes at
-    a time where both rows are contiguous, 4-byte words where each strip is (vLLM's ``amx`` K: a
-    dimension pair a word, a word a cache line), and a computed row's contiguous elements against a
-    cache's elements a few lanes apart (``amx`` V: two tokens' elements a word)."""
+    (descriptor ``cd``'s strips) differ in any bit; 8 bytes at a time where both rows are contiguous,
+    4 where each strip is."""
     sb, strip = cd[D_DIM_STRIDE], cd[D_STRIP]
     if sa == esz and sb == esz and strip == nd and (nd * esz) % 8 == 0:
-        n8 = nd * esz // 8
-        x8, y8 = carray(u64_pointer(a), n8), carray(u64_pointer(b), n8)
-        diff = np.uint64(0)
-        for w in range(n8):
-            diff |= x8[w] ^ y8[w]
-        return diff != 0
-    if sa == esz and nd % strip == 0:
-        if sb == esz and (strip * esz) % 4 == 0:  # strips contiguous on both sides: 4-byte words
-            words = strip * esz // 4
-            x4 = carray(u32_pointer(a), nd * esz // 4)
-            d4 = np.uint32(0)
-            for i in range(nd // strip):
-                y4 = carray(u32_pointer(b + i * cd[D_STRIP_STRIDE]), words)
-                for w in range(words):
-                    d4 |= x4[i * words + w] ^ y4[w]
-            return d4 != 0
-        if esz == 2 and sb == 4 and b % 2 == 0:  # 2-byte elements, one lane of 4-byte words (amx V)
-            off = b % 4  # the element's lane in its word
-            sh = np.uint32(8 * off)
-            x2 = carray(u16_pointer(a), nd)
-            d4 = np.uint32(0)
-            for i in range(nd // strip):
-                y4 = carray(u32_pointer(b - off + i * cd[D_STRIP_STRIDE]), strip)
-                for j in range(strip):
-                    d4 |= ((y4[j] >> sh) & np.uint32(0xFFFF)) ^ np.uint32(x2[i * strip + j])
-            return d4 != 0
+        for w in range(nd * esz // 8):
+            if ld_i64(a + 8 * w) != ld_i64(b + 8 * w):
+                return True
+        return False
+    if sa == esz and sb == esz and (strip * esz) % 4 == 0:  # strips contiguous on both sides: 4-byte words
+        words = strip * esz // 4  # (vLLM's amx K: one word, a dimension pair, a cache line)
+        for i in range(nd // strip):
+            ai, bi = a + 4 * words * i, b + i * cd[D_STRIP_STRIDE]
+            for w in range(words):
+                if ld_u32(ai + 4 * w) != ld_u32(bi + 4 * w):
+                    return True
+        return False
     for i in range(nd // strip):
         ai, bi = a + i * strip * sa, b + i * cd[D_STRIP_STRIDE]
         for d in range(strip):
