@@ -3,6 +3,7 @@ per layer call, for the per-layer stages) and its share of the canary's time, st
 connector calls them, on the trained model (default) or the tiny random one.
 
     .venv-vllm/bin/python bench/vllm_stages.py [--model real|tiny] [--threads 1] [--runs 2] [--set KVCANARY_X=V ...]
+        [--fine]
 
 Each run is an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) in a fresh process, with the
 connector's default configuration: the workload of ``bench/vllm_cpu.py`` (``real``: SmolLM2-135M-Instruct
@@ -52,6 +53,24 @@ STAGES = [
     ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "update_state_after_alloc", "scheduler: after alloc"),
     ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "request_finished", "scheduler: request finished"),
 ]
+# --fine: the hooks' parts below the stages above (nested under the stage that calls them; the compiled
+# loops' modules timed from the timed generate on, as numba must not load before vLLM's engine starts)
+FINE = [
+    ("kvcanary.engines.vllm.entry", "KvCanaryConnector", "_bookkeep", "  bookkeeping (harm rows, history, releases)"),
+    ("kvcanary.engines.token_book", "TokenBook", "extend_all", "  token book extended"),
+    ("kvcanary.canary", "Canary", "_described", "  step descriptors (verify and stamp)"),
+    ("kvcanary.fused.forward", "ForwardArgs", "before", "  compiled verify"),
+    ("kvcanary.engines.audit", "EngineAudit", "sample", "  audit: queries sampled"),
+    ("kvcanary.engines.audit", "EngineAudit", "start", "  audit: forward's results allocated"),
+    ("kvcanary.engines.vllm.wide", "WideForward", "plan", "  audit: one call planned"),
+    ("kvcanary.engines.vllm.wide", "", "query_table", "    query table"),
+    ("kvcanary.fused.keep", "", "keep_tables", "    per-layer tables' addresses"),
+    ("kvcanary.fused.forward", "ForwardArgs", "after", "  compiled stamp, guard, patrol"),
+    ("kvcanary.engines.audit", "EngineAudit", "drain", "  audit results drained"),
+    ("kvcanary.engines.audit", "EngineAudit", "end", "  audit forward ended (budget)"),
+    ("kvcanary.canary", "Canary", "drain", "  canary violations drained"),
+    ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "_add", "  scheduler: a request's step added"),
+]
 WRAPPER = "per-layer wrapper (the engine's attention excluded)"
 CANARY = ("before-forward hook", "position check", WRAPPER, "after-forward hook")
 PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call", WRAPPER,
@@ -59,7 +78,10 @@ PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call", WRA
             "  after attention (audited rows copied)")
 
 
-def _install(spent: dict[str, float], calls: dict[str, int]) -> None:
+def _install(spent: dict[str, float], calls: dict[str, int], stages: list[tuple[str, str, str, str]],
+             late: bool = False) -> None:
+    """Time each of ``stages`` (``late``: only those in kvcanary's compiled loops' modules, else only
+    the others)."""
     import importlib
 
     def timed(fn: Any, stage: str) -> Any:
@@ -73,7 +95,9 @@ def _install(spent: dict[str, float], calls: dict[str, int]) -> None:
 
         return wrapper
 
-    for module, owner, attr, stage in STAGES:
+    for module, owner, attr, stage in stages:
+        if module.startswith("kvcanary.fused") != late:
+            continue
         if not module:  # the compiled keep: each forward's plan holds it (numba loads with the engine, not before)
             from kvcanary.engines.vllm import wide
 
@@ -119,10 +143,12 @@ def child(cfg: dict[str, Any]) -> None:
 
     spent: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
-    _install(spent, calls)
+    stages = STAGES + (FINE if os.environ.get("VLLM_STAGES_FINE") == "1" else [])
+    _install(spent, calls, stages)
     found = vllm_runner.process_canary
 
     def timed_from_here() -> Any:  # called between the warm-up generate and the timed one
+        _install(spent, calls, stages, late=True)
         spent.clear()
         calls.clear()
         return found()
@@ -156,6 +182,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KVCANARY_X=V",
                     help="a configuration variable of the runs (default: none, the default configuration)")
+    ap.add_argument("--fine", action="store_true",
+                    help="also time the hooks' parts (FINE), printed after the stages; each timed call adds its own")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -163,6 +191,9 @@ def main() -> int:
         return 0
     sys.path.insert(0, HERE)
     import tempfile
+
+    if args.fine:
+        os.environ["VLLM_STAGES_FINE"] = "1"  # the runs' processes time FINE too
 
     from vllm_cpu import real_workload
 
@@ -182,12 +213,15 @@ def main() -> int:
             ap.error(f"--set: expected KVCANARY_NAME=VALUE, got {', '.join(bad)}")
         runs = [run(cfg, args.threads, args.set) for _ in range(args.runs)]
     forwards = sum(r["stats"]["forwards"] for r in runs)  # the timed generates' forwards
-    spent = {s: sum(r["spent"].get(s, 0.0) for r in runs) for _, _, _, s in STAGES}
-    calls = {s: sum(r["calls"].get(s, 0) for r in runs) for _, _, _, s in STAGES}
+    shown = STAGES + (FINE if args.fine else [])
+    spent = {s: sum(r["spent"].get(s, 0.0) for r in runs) for _, _, _, s in shown}
+    calls = {s: sum(r["calls"].get(s, 0) for r in runs) for _, _, _, s in shown}
     total = sum(spent[s] for s in CANARY)
     print(f"vLLM CPU, {name}, {ns.requests} requests, OMP_NUM_THREADS={args.threads}, {args.runs} runs, "
           f"{forwards} timed forwards")
-    for _, _, _, stage in STAGES:
+    for i, (_, _, _, stage) in enumerate(shown):
+        if i == len(STAGES):
+            print("the hooks' parts (--fine; each nested in the stage above that calls it):")
         per_call = f"  {spent[stage] / max(calls[stage], 1) * 1e6:7.1f} us/call" if stage in PER_CALL else ""
         print(f"{stage:52s} {spent[stage] / forwards * 1e6:8.1f} us/forward  {spent[stage] / total:6.1%} "
               f"of the canary{per_call}")
