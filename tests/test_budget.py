@@ -151,3 +151,41 @@ def test_the_audit_sets_the_canary_s_seconds_since_the_last_forward_against_the_
     # pay for 64 queries a forward for a thousand forwards)
     after = [forward(10e-3, 60e-6, idle=100.0)] + [forward(10e-3, 60e-6) for _ in range(15)]
     assert max(after) <= 16 and after[-1] == 4
+
+
+def test_the_write_check_thins_with_the_query_count_and_covers_every_layer_within_its_rounds():
+    from kvcanary.audit.budget import WRITE_ROUNDS
+
+    layers = 30
+    b = QueryBudget(64, 0.01)
+    for _ in range(WARM):  # warm-up: every layer
+        b.plan("decode")
+        assert b.write_layers(layers) == (0, layers)
+    # over budget: one query a forward, and the fewest layers, rotating over all of them
+    seen: list[int] = []
+    for _ in range(2 * WRITE_ROUNDS):
+        n = b.plan("decode")
+        b.observe(n, 1e-3, 10e-3, 5e-3)  # the canary takes half of each forward
+        assert b.count == 1
+        first, count = b.write_layers(layers)
+        assert count == math.ceil(layers / WRITE_ROUNDS)
+        seen += [(first + i) % layers for i in range(count)]
+    for start in range(0, len(seen) - layers, math.ceil(layers / WRITE_ROUNDS)):  # any WRITE_ROUNDS forwards
+        assert set(seen[start:start + WRITE_ROUNDS * math.ceil(layers / WRITE_ROUNDS)]) == set(range(layers))
+    b.plan("prefill")  # a new situation: every layer
+    assert b.write_layers(layers) == (0, layers)
+    # a query count at half the full count checks half the layers
+    b.plan("prefill")
+    b.count = 32
+    assert b.write_layers(layers)[1] == 15
+    b.count = 64
+    assert b.write_layers(layers)[1] == layers
+    assert b.write_layers(0) == (0, 0)
+
+
+def test_without_a_budget_every_forward_checks_every_layer_s_writes():
+    b = QueryBudget(64, None)
+    for _ in range(3 * WARM):
+        b.plan("decode")
+        b.observe(64, 1e-3, 10e-3, 5e-3)
+        assert b.write_layers(30) == (0, 30)

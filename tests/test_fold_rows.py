@@ -94,7 +94,10 @@ def test_a_source_of_part_of_a_row_is_not_folded_from_rows() -> None:
 def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(isa: str, dtype: torch.dtype) -> None:
     """keep_layer over a forward of 5 new tokens: the sums equal the cache's folds with the rows the
     cache holds, with a row that differs from the cache in one token (that token folded from the
-    cache, its write check reporting K), and with the write check off (every token from the cache)."""
+    cache, its write check reporting K), with no rows given (every token from the cache), and with
+    rows given but the write check left out (every token from the rows: a row that differs from the
+    cache gives its token the rows' fingerprint, which the content verify later finds unlike the
+    cache's)."""
     from kvcanary.audit.tables import LAYER_COLUMNS, L_STEP, layer_row, strides
     from kvcanary.audit.reference import DTYPES
     from kvcanary.engines.vllm.fold import Fold, fold_tables
@@ -128,7 +131,7 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
                   dtype=np.int64)
     toks = np.arange(n)
 
-    def run(write: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def run(write: bool, check: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         got = []
         # keep_layer, and keep_layer_at over the same tables, through the dispatcher and its compiled entry
         for call in ("arrays", "address", "entry"):
@@ -137,29 +140,35 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
             head = np.full_like(half, -1)
             ka, va = (k.data_ptr(), v.data_ptr()) if write else (0, 0)
             if call == "arrays":
-                keep_layer(layers, 0, ka, va, st, steps, toks, half, head, *fold.layer(0))
+                keep_layer(layers, 0, ka, va, int(check), st, steps, toks, half, head, *fold.layer(0))
             else:
                 at = keep_tables(layers, st, steps, toks, half, head, *fold.layer(0))
-                (keep_layer_at if call == "address" else entry)(at.__array_interface__["data"][0], 0, ka, va)
+                (keep_layer_at if call == "address" else entry)(at.__array_interface__["data"][0], 0, ka, va,
+                                                                 int(check))
             got.append((fold.acc[0].copy(), fold.cnt[0].copy(), half[0], head[0]))
         (acc, cnt, half, head), *again = got
         assert all((a == b).all() for other in again for a, b in zip(got[0], other))
-        if not write:  # no write check: its rows untouched
+        if not (write and check):  # no write check: its rows untouched
             assert (head == -1).all() and (half == 0).all()
         return acc, cnt, half
 
     cache_acc, cache_cnt, _ = run(False)
     assert (cache_cnt == 2).all() and (cache_acc != 0).all()
-    acc, cnt, half = run(True)
-    assert (acc == cache_acc).all() and (cnt == cache_cnt).all() and (half == 0).all()
+    for check in (True, False):  # the rows equal the cache: the same folds, checked or not
+        acc, cnt, half = run(True, check)
+        assert (acc == cache_acc).all() and (cnt == cache_cnt).all() and (half == 0).all()
     k[2, 1, 7] += 1  # token 2's computed K differs from the cache: its write check says so, its fold is the cache's
     acc, cnt, half = run(True)
     assert half.tolist() == [0, 0, 1, 0, 0]
     assert (acc == cache_acc).all() and (cnt == cache_cnt).all()
+    acc, cnt, half = run(True, check=False)  # unchecked: token 2 folded from its rows, unlike the cache
+    assert (acc != cache_acc).tolist() == [False, False, True, False, False] and (cnt == cache_cnt).all()
     v[4, 2, DIM - 1] += 1  # and token 4's V, in the last strip of the last head
     acc, cnt, half = run(True)
     assert half.tolist() == [0, 0, 1, 0, 2]
     assert (acc == cache_acc).all() and (cnt == cache_cnt).all()
+    acc, cnt, half = run(True, check=False)
+    assert (acc != cache_acc).tolist() == [False, False, True, False, True]
 
 
 def test_direct_falls_back_to_what_it_is_given() -> None:

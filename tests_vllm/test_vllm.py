@@ -57,6 +57,26 @@ def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, plain,
         assert run["preemptions"] > 0  # the small pool did force preemption
     if not cfg:  # one batch of shared prefixes: prefix hits computed in the same forward, verified after it
         assert st["slots_verified_after_write"] > 0
+    # past the warm-up the tiny model's canary takes more than its 1 % share: the write check thins over
+    # the layers, and the layers left unchecked fold their fingerprints from their computed rows, which
+    # the full scrub above found equal to the cache's bytes
+    assert st["write_slots_unchecked"] > 0 and st["write_slots_checked"] > 0
+
+
+def test_a_wrong_write_in_a_layer_the_budget_leaves_unchecked_is_found_by_the_content_verify(tiny_llama):
+    """The first layer's cache write lands zeros from forward 12 on (past the 8 forwards that check
+    every layer), with the default time budget, under which the tiny model's canary checks one of its
+    two layers' writes a forward: forwards that check the first layer report WRITE_CONTENT at the
+    write; in the others its new tokens' fingerprints are folded from the rows it computed, so the
+    next forward's content verify (every read byte here) finds the zeros as CONTENT."""
+    run = engine(tiny_llama, canary=True, fault="kernel_write_zeros", fault_at=12,
+                 env={"KVCANARY_CONTENT_BUDGET_BYTES": "none", "KVCANARY_MODE": "log"})
+    st = run["stats"]
+    assert st["internal_errors"] == 0 and st["write_slots_unchecked"] > 0, st
+    checks = {c for v in run["violations"] for c in v["checks"]}
+    assert {"WRITE_CONTENT", "CONTENT"} <= checks, checks
+    at = run["fault"]["step"]
+    assert at >= 12 and all(v["step"] >= at for v in run["violations"]), (at, run["violations"][:3])
 
 
 def test_steps_built_on_the_device_read_nothing_back_verify_clean_and_find_a_flipped_byte(tiny_llama, plain):

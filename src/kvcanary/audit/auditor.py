@@ -32,7 +32,8 @@ class Auditor:
         self.turn = 0  # rotation counter: one per sampled query
         self.focus_turn = 0  # and one per query of a request in a new situation
         self.pending: list[ForwardAudit] = []
-        self.counts = {"audit_queries": 0, "write_slots_checked": 0, "write_bytes_checked": 0}
+        self.counts = {"audit_queries": 0, "write_slots_checked": 0, "write_bytes_checked": 0,
+                       "write_slots_unchecked": 0}
         self.errors: list[float] | None = None  # every audited query's error, where recorded (calibration)
         self.ratios: list[float] = []  # and its error over its tolerance
         self.failures = 0  # forwards whose audit failed (an internal error, counted)

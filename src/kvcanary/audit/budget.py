@@ -22,6 +22,14 @@ Requests in a new situation of their own get :data:`FOCUS` queries of their own 
 on top of the count (rotating over layers and heads): a request's first forward that reads a prefix
 it did not write (a prefix-cache hit), and its first decode.
 
+The write check follows the same budget over layers: every layer's writes are checked where the
+query count is the full ``audit_queries`` (a new situation, the warm-up, no time budget, or a budget
+with room for it); else the share of the layers that the count is of the full count, rotating over
+them, and never fewer than every layer once in :data:`WRITE_ROUNDS` forwards
+(:meth:`QueryBudget.write_layers`). A layer whose writes are not checked in a forward still gets its
+new tokens' content fingerprints, from the K and V the layer computed (where the engine adapter
+folds them inside the layer), so a wrong write there is found by the content verify and the patrol.
+
 Coverage bound: with ``n`` queries a forward over ``L`` audited layers, ``R`` rows with new
 tokens and ``H`` heads, the rotation (:meth:`kvcanary.audit.auditor.Auditor.pick`) audits every
 (layer, row) pair of a steady batch within ``ceil(L * R / n)`` forwards, every (layer, row, head)
@@ -35,6 +43,7 @@ from typing import Hashable
 
 WARM = 8  # audited forwards after start that audit the full count
 FOCUS = 4  # queries of a request's own in its first decode and its first forward after a prefix hit
+WRITE_ROUNDS = 8  # in a known situation, each layer's writes are checked at least once in this many forwards
 GROWTH = 2.0  # the most the count grows from one forward to the next
 _SMOOTH = 0.25  # the weight of the newest forward in the measured seconds per query
 
@@ -57,6 +66,8 @@ class QueryBudget:
         self.balance = 0.0  # seconds the canary spent under (+) or over (-) its share so far, bounded
         self.situation: Hashable = None
         self.new = 0  # forwards audited at the full count because their situation was new
+        self.fresh = True  # the last planned forward audits the full count (warm-up or a new situation)
+        self.write_turn = 0  # the rotation over layers of the write check (write_layers)
 
     def plan(self, situation: Hashable) -> int:
         """This forward's count: the full count where ``situation`` differs from the last forward's or
@@ -64,9 +75,24 @@ class QueryBudget:
         fresh = self.audited < WARM or situation != self.situation
         self.situation = situation
         self.audited += 1
+        self.fresh = fresh
         n = self.queries if fresh or self.share is None else self.count
         self.new += int(fresh and self.share is not None)
         return n
+
+    def write_layers(self, layers: int) -> tuple[int, int]:
+        """The forward just planned (:meth:`plan`): its write-checked layers as ``(first, count)`` over
+        ``layers`` positions, the positions ``first`` to ``first + count - 1`` modulo ``layers``: all of
+        them where the forward audits the full count, else ``layers`` times the count's share of the
+        full count, at least ``ceil(layers / WRITE_ROUNDS)``, rotating from the last forward's."""
+        if layers <= 0:
+            return 0, 0
+        if self.share is None or self.fresh or self.count >= self.queries:
+            return 0, layers
+        n = min(layers, max(-(-layers // WRITE_ROUNDS), -(-layers * self.count // self.queries)))
+        first = self.write_turn % layers
+        self.write_turn = first + n
+        return first, n
 
     def observe(self, queries: int, audit_s: float, forward_s: float, canary_s: float | None = None) -> None:
         """After a forward that audited ``queries`` in ``audit_s`` seconds of the audit's own, over

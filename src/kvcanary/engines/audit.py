@@ -66,6 +66,7 @@ class EngineAudit:
         self._last: tuple[float, float] | None = None  # the wall clock and the canary's seconds at the last end
         self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
         self._tokens: tuple[np.ndarray, torch.Tensor] | None = None  # 0 .. n-1 on the host and the device, grown
+        self.write_span = (0, 0, 0)  # this forward's write-checked layers: first position, count, of how many
 
     # ---- planning a forward (host) ------------------------------------------------------------
 
@@ -73,11 +74,18 @@ class EngineAudit:
         """Whether the forward numbered ``forwards`` is audited (``audit_every``)."""
         return self.on and forwards % self.config.audit_every == 0
 
-    def pick_writes(self, total: int, device: torch.device) -> None:
-        """This forward's write-checked tokens: all ``total`` of them, in every layer."""
+    def pick_writes(self, total: int, device: torch.device, layers: int = 0) -> None:
+        """This forward's write-checked tokens, all ``total`` of them, and of its ``layers`` layers
+        (positions in the adapter's order of them) those whose writes are checked
+        (:meth:`~kvcanary.audit.budget.QueryBudget.write_layers`: ``write_span`` holds the first
+        position, the count and ``layers``, the count wrapping past the last position);
+        ``layers`` 0: every layer (an adapter that checks them all)."""
         self.write_tokens = self.write_index = None
+        self.write_span = (0, 0, 0)
         if not self.write_check or not total:
             return
+        if layers:
+            self.write_span = (*self.budget.write_layers(layers), layers)
         have = self._tokens
         if have is None or len(have[0]) < total or have[1].device != device:  # made again only to grow
             toks = np.arange(max(total, 2 * len(have[0]) if have is not None else 0, 256))
@@ -216,6 +224,10 @@ class EngineAudit:
         c = self.auditor.counts
         c["write_slots_checked"] += layers * tokens
         c["write_bytes_checked"] += layers * tokens * token_bytes
+
+    def unchecked_writes(self, layers: int, tokens: int) -> None:
+        """``layers`` layers' writes of ``tokens`` new tokens left unchecked this forward by the budget."""
+        self.auditor.counts["write_slots_unchecked"] += layers * tokens
 
     def failed(self, e: Exception) -> None:
         """The audit failed inside a forward: this forward's audit is dropped (no stamp depends on

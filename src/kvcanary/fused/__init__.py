@@ -147,9 +147,9 @@ def _warm_audit(desc: Any) -> None:
               np.zeros_like(half), np.zeros((0, NUM_SRC_FIELDS), dtype=np.int64), np.zeros(1, dtype=np.int64),
               np.zeros(1, dtype=np.uint64), np.zeros((1, 2), dtype=np.int64), np.zeros((0, 3), dtype=np.int64),
               np.zeros(1, dtype=np.uint64), np.zeros((0, 0), dtype=np.uint64), np.zeros((0, 0), dtype=np.int64))
-    keep_layer(tables[0], 0, 0, 0, *tables[1:])
+    keep_layer(tables[0], 0, 0, 0, 0, *tables[1:])
     at = keep_tables(*tables)
-    keep_layer_at(at.__array_interface__["data"][0], 0, 0, 0)
+    keep_layer_at(at.__array_interface__["data"][0], 0, 0, 0, 0)
     keep_queries(one, 0, 0, 0, np.zeros(STRIDE_COLUMNS, dtype=np.int64), np.zeros((0, QUERY_COLUMNS), dtype=np.int64),
                  np.zeros((1, 2, 2), dtype=np.uint8))
     for gathered in (False, True):

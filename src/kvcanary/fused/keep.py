@@ -62,31 +62,34 @@ def _fold_rows(c, step, g, t, f0, f1, frow, frkeys, ka, va, strides, facc, fcnt)
 
 
 @njit(**JIT)
-def keep_layer(layers, lay, ka, va, strides, steps, toks, half, head, fsrc, fruns, fkeys, lfold, frow, frkeys, facc,
-               fcnt):  # type: ignore[no-untyped-def]
+def keep_layer(layers, lay, ka, va, check, strides, steps, toks, half, head, fsrc, fruns, fkeys, lfold, frow, frkeys,
+               facc, fcnt):  # type: ignore[no-untyped-def]
     """Inside one layer's forward, right after its cache write and before its attention reads the
-    cache: its write check (``ka``: its computed K's address, 0: none; ``va``: its V's) into the
-    ``half`` and ``head`` rows of layer ``lay`` (see :func:`kvcanary.fused.audit.check_forward`), and
-    the layer's part of every new token's fingerprint, taken from what was written.
+    cache: where ``check`` is not 0, its write check (``ka``: its computed K's address, 0: none;
+    ``va``: its V's) into the ``half`` and ``head`` rows of layer ``lay`` (see
+    :func:`kvcanary.fused.audit.check_forward`), and the layer's part of every new token's
+    fingerprint.
 
     The fold: sources ``lfold[lay, 0]`` to ``lfold[lay, 1]`` of the source table
     ``fsrc``/``fruns``/``fkeys`` (:class:`kvcanary.fused.fold.SourceTable`'s arrays, every group's
     together) are added into ``facc[g, t]`` for new token ``t`` of the layer's step ``g``, and counted in
-    ``fcnt[g, t]`` (``facc`` of no columns: nothing folded). A token whose write check found the cache
-    equal to its computed K and V is folded from those rows (contiguous: a loop the compiler
-    vectorises), where every source of the layer has its keys in a row's order (``frow[i, 0] >= 0``,
-    ``frkeys``) and the rows are contiguous; any other from the cache."""
+    ``fcnt[g, t]`` (``facc`` of no columns: nothing folded). Where the layer's computed K and V are
+    given, contiguous, and every source of the layer has its keys in a row's order (``frow[i, 0] >=
+    0``, ``frkeys``), a token is folded from those rows (a loop the compiler vectorises) where its
+    write check found the cache equal to them, or where its writes are not checked (``check`` 0: the
+    fingerprint is then of what the layer meant to write, and a wrong write is found later by the
+    content verify); any other token from the cache."""
     c = layers[lay]
     g = c[L_STEP]
     step = steps[g]
     f0, f1 = lfold[lay, 0], lfold[lay, 1]
     nf = min(facc.shape[1], step[NNEW]) if 0 <= f0 < f1 <= fsrc.shape[0] and facc.shape[1] > 0 else 0
-    nw = toks.shape[0] if ka != 0 else 0
+    nw = toks.shape[0] if ka != 0 and va != 0 and check != 0 else 0
     hrow, drow = half[lay], head[lay]
     esz, nd = c[L_ESIZE], c[L_DIM]
     # fold from the computed rows: both contiguous, and every source of the layer keyed in a row's order
-    rows = (nf > 0 and nw > 0 and f1 <= frow.shape[0] and strides[S_K + 2] == esz and strides[S_K + 1] == nd * esz
-            and strides[S_V + 2] == esz and strides[S_V + 1] == nd * esz)
+    rows = (nf > 0 and ka != 0 and va != 0 and f1 <= frow.shape[0] and strides[S_K + 2] == esz
+            and strides[S_K + 1] == nd * esz and strides[S_V + 2] == esz and strides[S_V + 1] == nd * esz)
     if rows:
         for i in range(f0, f1):
             if frow[i, 0] < 0:
@@ -106,7 +109,10 @@ def keep_layer(layers, lay, ka, va, strides, steps, toks, half, head, fsrc, frun
                 _fold_token(c, step, g, ft, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
             ft += 1
     for t in range(ft, nf):
-        _fold_token(c, step, g, t, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
+        if rows and nw == 0:  # writes not checked: from the rows the layer computed
+            _fold_rows(c, step, g, t, f0, f1, frow, frkeys, ka, va, strides, facc, fcnt)
+        else:
+            _fold_token(c, step, g, t, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
 
 
 # keep_layer's tables, in its order, for keep_layer_at: each one's name, dimensions and dtype
@@ -187,17 +193,17 @@ def _u2(at, i):  # type: ignore[no-untyped-def]
 
 
 @njit(**JIT)
-def keep_layer_at(tables, lay, ka, va):  # type: ignore[no-untyped-def]
+def keep_layer_at(tables, lay, ka, va, check):  # type: ignore[no-untyped-def]
     """:func:`keep_layer` with its tables given by address (``tables``: the address of
     :func:`keep_tables`' array): the call runs inside every layer, where the dispatcher's checks of
-    14 arrays cost more than the write check of a decode batch; four integers cost it a fraction,
+    14 arrays cost more than the write check of a decode batch; five integers cost it a fraction,
     and nothing through :func:`direct`."""
     at = carray(i64_pointer(tables), 3 * NUM_TABLES)
-    keep_layer(_i2(at, 0), lay, ka, va, _i1(at, 1), _i2(at, 2), _i1(at, 3), _i2(at, 4), _i2(at, 5), _i2(at, 6),
+    keep_layer(_i2(at, 0), lay, ka, va, check, _i1(at, 1), _i2(at, 2), _i1(at, 3), _i2(at, 4), _i2(at, 5), _i2(at, 6),
                _i1(at, 7), _u1(at, 8), _i2(at, 9), _i2(at, 10), _u1(at, 11), _u2(at, 12), _i2(at, 13))
 
 
-KEEP_LAYER_AT = (types.int64,) * 4  # keep_layer_at's one signature: its four arguments, integers
+KEEP_LAYER_AT = (types.int64,) * 5  # keep_layer_at's one signature: its five arguments, integers
 
 
 def direct(fn: Callable[..., Any], signature: tuple[Any, ...]) -> Callable[..., Any]:

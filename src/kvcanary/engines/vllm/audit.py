@@ -201,7 +201,7 @@ class VllmAudit(EngineAudit):
         self.plans = None
         fa = self.start(forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries, CPU,
                         host=True)
-        self.pick_writes(int(qsl[-1]), CPU)
+        self.pick_writes(int(qsl[-1]), CPU, len(layers))  # the one call after the forward thins them (WideForward)
         if all(g.canary.backend == "fused" for g in live):
             self._wide = self._deferred(live, layers, pool, fa.queries)
         if self._wide is None:

@@ -32,6 +32,10 @@ class Planner(Protocol):
 
     def count_writes(self, layers: int, tokens: int, token_bytes: int) -> None: ...
 
+    write_span: tuple[int, int, int]  # this forward's write-checked layer rows: first, count, of how many
+
+    def unchecked_writes(self, layers: int, tokens: int) -> None: ...
+
 
 class WideBase:
     """What every forward of one set of live groups shares in :meth:`WideForward.plan`, made once:
@@ -75,6 +79,8 @@ class WideForward:
         self.steps, self.qt, self.fl = steps, qt, fl
         self.toks, self.fold = toks, fold
         self.write = False  # this forward checks writes (set by plan)
+        self.checks = bytes(len(names))  # the layer rows whose writes it checks (set by plan)
+        self.trusted = 0  # layers whose new tokens were folded from their computed rows unchecked
         self.half = np.zeros((len(names), len(toks)), dtype=np.int64)
         self.head = np.zeros_like(self.half)
         self.kept = np.zeros((max(len(qt), 1), 2, width), dtype=np.uint8)
@@ -113,6 +119,15 @@ class WideForward:
         fl = np.concatenate([base.fl, np.asarray(sinks, dtype=np.float64)]) if sinks else base.fl
         wide = cls(base, steps, qt, fl, toks, fold)
         wide.write = audit.write_tokens is not None
+        if wide.write:
+            first, n, of = audit.write_span
+            if n >= of or of != len(base.names):
+                wide.checks = b"\x01" * len(base.names)
+            else:
+                rows = bytearray(of)
+                for i in range(first, first + n):
+                    rows[i % of] = 1
+                wide.checks = bytes(rows)
         return wide
 
     def before(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: Any,
@@ -148,14 +163,20 @@ class WideForward:
                     + strides(out3, 0, 1, 2)
             else:
                 return CHECK
-        write = self.write and c.writes
         if self._seen[li]:  # a layer seen twice: the fold is off from here
             self.fold.void()
             self._tables()
         self._seen[li] = 1
-        self.keep_layer(self.at_address, li, key.data_ptr() if write else 0, value.data_ptr() if write else 0)
-        if write:
-            self.wrote.append(li)
+        # the layer's computed rows go in for its fold wherever it writes its own KV, checked or not
+        check = self.write and self.checks[li]
+        if c.writes:
+            self.keep_layer(self.at_address, li, key.data_ptr(), value.data_ptr(), check)
+            if check:
+                self.wrote.append(li)
+            elif self.write:
+                self.trusted += 1
+        else:
+            self.keep_layer(self.at_address, li, 0, 0, 0)
         return KEEP if audited else NOTHING
 
     def _tables(self) -> None:
@@ -198,3 +219,5 @@ class WideForward:
                                     self.toks, self.half[rows], self.head[rows]))
         if rows:
             audit.count_writes(len(rows), len(self.toks), audit.geometry[self.names[rows[0]]].token_bytes)
+        if self.trusted:
+            audit.unchecked_writes(self.trusted, len(self.toks))
