@@ -23,7 +23,7 @@ import os
 import random
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from kvcanary.faults import vllm_models
 from kvcanary.faults.vllm_runner import run_in_subprocess
@@ -227,6 +227,8 @@ def judge(cfg: FuzzConfig, runs: dict[str, Any], logged: list[dict[str, Any]]) -
                            "steps": st.get("steps", 0), "slots_verified": st.get("slots_verified", 0),
                            "content_slots_verified": st.get("content_slots_verified", 0),
                            "audit_queries": st.get("audit_queries", 0),
+                           "write_slots_checked": st.get("write_slots_checked", 0),
+                           "write_slots_unchecked": st.get("write_slots_unchecked", 0),
                            "groups": st.get("kv_cache_groups_covered", 0)}
     ev = on.get("events", {})
     out.update({k: ev.get(k, 0) for k in ("drafts", "drafts_accepted", "preemptions", "window_freed_blocks",
@@ -288,15 +290,35 @@ def _prom_stats(prom: str) -> dict[str, int]:
 
     reg = CollectorRegistry()
     MultiProcessCollector(reg, path=prom)
-    names = {"kvcanary_slots_verified_total": "slots_verified", "kvcanary_steps_total": "forwards",
-             "kvcanary_internal_errors_total": "internal_errors",
-             "kvcanary_content_slots_verified_total": "content_slots_verified",
-             "kvcanary_device_steps_total": "device_forwards"}
+    return summed((s.name, s.labels, s.value) for fam in text_string_to_metric_families(generate_latest(reg).decode())
+                  for s in fam.samples)
+
+
+PROM_NAMES = {"kvcanary_slots_verified_total": "slots_verified", "kvcanary_steps_total": "forwards",
+              "kvcanary_internal_errors_total": "internal_errors",
+              "kvcanary_content_slots_verified_total": "content_slots_verified",
+              "kvcanary_device_steps_total": "device_forwards"}
+
+
+def summed(samples: Iterable[tuple[str, dict[str, str], float]]) -> dict[str, int]:
+    """The fuzz's counters from metric samples ``(name, labels, value)`` of every rank and KV cache
+    group: summed, except the forwards, which each group's canary counts (and the device steps,
+    which the connector counts once a forward): a rank's are the most of its groups' counts, summed
+    over the ranks."""
+    per_forward = {"forwards", "device_forwards"}
     out: dict[str, int] = {}
-    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
-        for s in fam.samples:
-            if s.name in names:
-                out[names[s.name]] = out.get(names[s.name], 0) + int(s.value)
+    ranks: dict[tuple[str, str], int] = {}
+    for name, labels, value in samples:
+        key = PROM_NAMES.get(name)
+        if key is None:
+            continue
+        if key in per_forward:
+            rank = (key, labels.get("tp_rank", ""))
+            ranks[rank] = max(ranks.get(rank, 0), int(value))
+        else:
+            out[key] = out.get(key, 0) + int(value)
+    for (key, _), v in ranks.items():
+        out[key] = out.get(key, 0) + v
     out["steps"] = out.get("forwards", 0)
     return out
 

@@ -1,0 +1,26 @@
+"""The vLLM fuzz's counters from a tensor-parallel run's Prometheus samples
+(kvcanary.faults.vllm_fuzz.summed): each KV cache group's canary counts the forwards, so a rank's
+forwards are the most of its groups' counts, not their sum, and the connector's device-step count
+is compared with that."""
+
+from kvcanary.faults.vllm_fuzz import summed
+
+
+def test_forwards_are_a_rank_s_most_over_its_groups_summed_over_ranks():
+    samples = []
+    for rank in ("0", "1"):
+        for group, steps, verified in (("full", 109, 1000), ("sliding", 109, 500)):
+            samples.append(("kvcanary_steps_total", {"group": group, "tp_rank": rank}, steps))
+            samples.append(("kvcanary_slots_verified_total", {"group": group, "tp_rank": rank}, verified))
+        samples.append(("kvcanary_device_steps_total", {"group": "full", "tp_rank": rank}, 109))
+        samples.append(("kvcanary_device_steps_total", {"group": "sliding", "tp_rank": rank}, 0))
+    samples.append(("kvcanary_internal_errors_total", {"group": "full", "tp_rank": "1"}, 2))
+    samples.append(("kvcanary_guard_checks_total", {"group": "full", "tp_rank": "0"}, 7))  # not a fuzz counter
+    out = summed(samples)
+    assert out["forwards"] == out["steps"] == 218 and out["device_forwards"] == 218
+    assert out["slots_verified"] == 3000 and out["internal_errors"] == 2 and "guard_checks" not in out
+    # a rank whose steps fell back to the host shows as fewer device steps than forwards
+    samples.append(("kvcanary_device_steps_total", {"group": "full", "tp_rank": "2"}, 10))
+    samples.append(("kvcanary_steps_total", {"group": "full", "tp_rank": "2"}, 109))
+    out = summed(samples)
+    assert out["forwards"] == 327 and out["device_forwards"] == 228
