@@ -65,15 +65,18 @@ class CanaryConfig:
     repair_limit : ``repair`` mode: repairs of one request after which it fails instead (corruption
         that recomputing does not fix, such as a table pointing at the wrong block, must not loop)
     write_check : engine adapters compare the K and V each layer computed with what the cache holds
-        at every new token's slot after the write (:mod:`kvcanary.audit`), in every layer
+        at every new token's slot after the write (:mod:`kvcanary.audit`), in every layer (on vLLM's
+        CPU path, in a share of the layers that ``audit_budget`` sets, see there)
     audit_queries : the most queries a forward audits (its attention output recomputed in fp32 from
         the verified cache and compared with the engine's, rotating over layers, requests and
         heads), and how many a forward in a new situation audits (:mod:`kvcanary.audit.budget`);
         0 turns the read audit off
     audit_budget : the share of the run's wall time the canary may take, the write check and read
         audit included: each audited forward in a known situation audits as many queries as the
-        share leaves after the canary's other work, at least one (:mod:`kvcanary.audit.budget`);
-        ``None``: every audited forward audits ``audit_queries``
+        share leaves after the canary's other work, at least one (:mod:`kvcanary.audit.budget`); on
+        vLLM's CPU path the write check checks that count's share of the layers, rotating, at least
+        an eighth of them a forward, and the others' fingerprints are taken from the rows the layers
+        computed; ``None``: every audited forward audits ``audit_queries`` and checks every layer
     audit_every : the write check and the read audit run on every ``audit_every``-th forward (1, the
         default: on every forward); the rotation carries on where it stopped
     audit_tolerance : the largest accepted error of an audited query, as a fraction of the largest
