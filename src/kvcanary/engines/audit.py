@@ -66,7 +66,7 @@ class EngineAudit:
         self._last: tuple[float, float] | None = None  # the wall clock and the canary's seconds at the last end
         self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
         self._tokens: tuple[np.ndarray, torch.Tensor] | None = None  # 0 .. n-1 on the host and the device, grown
-        self.write_span = (0, 0, 0)  # this forward's write-checked layers: first position, count, of how many
+        self.write_rows: bytes | None = None  # this forward's write-checked layer positions (1), None: every layer
 
     # ---- planning a forward (host) ------------------------------------------------------------
 
@@ -77,15 +77,20 @@ class EngineAudit:
     def pick_writes(self, total: int, device: torch.device, layers: int = 0) -> None:
         """This forward's write-checked tokens, all ``total`` of them, and of its ``layers`` layers
         (positions in the adapter's order of them) those whose writes are checked
-        (:meth:`~kvcanary.audit.budget.QueryBudget.write_layers`: ``write_span`` holds the first
-        position, the count and ``layers``, the count wrapping past the last position);
-        ``layers`` 0: every layer (an adapter that checks them all)."""
+        (:meth:`~kvcanary.audit.budget.QueryBudget.write_layers`), as ``write_rows``: a byte per
+        position, 1 where checked, or ``None`` for every layer; ``layers`` 0: every layer (an adapter
+        that checks them all)."""
         self.write_tokens = self.write_index = None
-        self.write_span = (0, 0, 0)
+        self.write_rows = None
         if not self.write_check or not total:
             return
         if layers:
-            self.write_span = (*self.budget.write_layers(layers), layers)
+            first, n = self.budget.write_layers(layers)
+            if n < layers:
+                rows = bytearray(layers)
+                for i in range(first, first + n):
+                    rows[i % layers] = 1
+                self.write_rows = bytes(rows)
         have = self._tokens
         if have is None or len(have[0]) < total or have[1].device != device:  # made again only to grow
             toks = np.arange(max(total, 2 * len(have[0]) if have is not None else 0, 256))

@@ -32,7 +32,7 @@ class Planner(Protocol):
 
     def count_writes(self, layers: int, tokens: int, token_bytes: int) -> None: ...
 
-    write_span: tuple[int, int, int]  # this forward's write-checked layer rows: first, count, of how many
+    write_rows: bytes | None  # this forward's write-checked layer rows (1), None: every one
 
     def unchecked_writes(self, layers: int, tokens: int) -> None: ...
 
@@ -120,14 +120,8 @@ class WideForward:
         wide = cls(base, steps, qt, fl, toks, fold)
         wide.write = audit.write_tokens is not None
         if wide.write:
-            first, n, of = audit.write_span
-            if n >= of or of != len(base.names):
-                wide.checks = b"\x01" * len(base.names)
-            else:
-                rows = bytearray(of)
-                for i in range(first, first + n):
-                    rows[i % of] = 1
-                wide.checks = bytes(rows)
+            rows = audit.write_rows
+            wide.checks = rows if rows is not None and len(rows) == len(base.names) else b"\x01" * len(base.names)
         return wide
 
     def before(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: Any,
