@@ -92,3 +92,42 @@ def test_lane_chunks_are_runs_of_words_a_pack_apart() -> None:
     assert pack_chunks(offs, 2, 1, 2) == []  # no pack
     assert pack_chunks(offs, 4, 4, 4) == []  # 16 bytes a word: wider than a load
     assert pack_chunks([k * 64 for k in range(32)], 2, 2, 2) == []  # runs of one word
+
+
+def test_byte_spans_cover_every_run_and_merge_runs_within_a_line() -> None:
+    """The spans whose lines the fold hints ahead (:func:`kvcanary.fused.fold.byte_spans`): every byte
+    of every run inside one, runs less than a cache line apart in one span, spans further apart
+    kept apart."""
+    from kvcanary.fused.fold import byte_spans
+
+    # amx K of one head: a word every 32 bytes (16 tokens' 2-byte elements side by side), two strips
+    offs = [k * 32 for k in range(8)] + [4096 + k * 32 for k in range(8)]
+    assert byte_spans(offs, 2) == [0, 226, 4096, 4322]
+    assert byte_spans([0, 64, 128], 8) == [0, 136]  # gaps inside lines the span needs anyway
+    assert byte_spans([0, 128, 256], 8) == [0, 8, 128, 136, 256, 264]  # a whole line between: apart
+    assert byte_spans([256, 0], 256) == [0, 512]  # out of order, touching
+    assert byte_spans([], 2) == []
+
+
+@pytest.mark.parametrize("kind", ["vec", "amx", "token-major"])
+def test_the_table_spans_hold_every_run_of_every_source(kind: str) -> None:
+    from kvcanary.fused.fold import A_RUN0, A_RUNW, A_SPAN0, A_SPANS, A_WIDTH, A_WORDS, SourceTable
+
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(torch.bfloat16) for _ in range(2)]
+    if kind == "vec":
+        layout = layouts.vllm_cpu_vec(tensors, BLOCK, HEADS, DIM)
+    elif kind == "amx":
+        layout = layouts.vllm_cpu_amx(tensors, BLOCK, HEADS, DIM)
+    else:
+        layout = layouts.paged_kv_split([torch.randn(2, BLOCKS, BLOCK, HEADS, DIM, generator=g).to(torch.bfloat16)
+                                         for _ in range(2)])
+    t = SourceTable(layout)
+    for row in t.src:
+        width = int(row[A_WIDTH])
+        n = int(row[A_WORDS]) if width else -(-int(row[A_WORDS]) // int(row[A_RUNW]))
+        size = width or 8 * int(row[A_RUNW])
+        spans = t.runs[row[A_SPAN0]:row[A_SPAN0] + 2 * row[A_SPANS]].reshape(-1, 2)
+        assert len(spans) >= 1 and (spans[:, 0] < spans[:, 1]).all()
+        for a in t.runs[row[A_RUN0]:row[A_RUN0] + n]:
+            assert ((spans[:, 0] <= a) & (a + size <= spans[:, 1])).sum() == 1, (kind, int(a))

@@ -32,7 +32,7 @@ from kvcanary.violations import Check
 RESULT = "RESULT "
 # stats that are levels, not counts: reported as they are after the run, not as a difference
 LEVELS = frozenset({"num_slots", "patrol_pass_steps", "unverified_age_max_steps", "guard_slots", "scrub_position",
-                    "kv_cache_groups", "kv_cache_groups_covered"})
+                    "kv_cache_groups", "kv_cache_groups_covered", "audit_queries_per_forward"})
 # set (unless already set) before vLLM is imported: one in-process engine, a 1 GiB KV space
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 # the selftest's runs: in-process engines (the canary and the fault in reach), the canary in log mode

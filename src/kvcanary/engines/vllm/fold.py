@@ -59,7 +59,7 @@ def fold_tables(live: list[Any], layers: list[str], group_of: dict[str, Any],
     and the covered ``layers`` in the layer table's order (``spans``: each layer's sources in its
     group's layout, its K's then its V's; ``geometry``: each layer's, where its tokens may be folded
     from their computed rows)."""
-    from kvcanary.fused.fold import A_CHUNK0, A_KEY0, A_RUN0, NUM_SRC_FIELDS, SourceTable
+    from kvcanary.fused.fold import A_CHUNK0, A_KEY0, A_RUN0, A_SPAN0, NUM_SRC_FIELDS, SourceTable
 
     srcs, runs, keys = [], [], []
     first: dict[str, int] = {}
@@ -69,7 +69,7 @@ def fold_tables(live: list[Any], layers: list[str], group_of: dict[str, Any],
         if not isinstance(t, SourceTable):
             continue
         s = t.src.copy()
-        s[:, [A_RUN0, A_CHUNK0]] += n_run
+        s[:, [A_RUN0, A_CHUNK0, A_SPAN0]] += n_run
         s[:, A_KEY0] += n_key
         first[g.name] = n_src
         srcs.append(s)
