@@ -248,3 +248,53 @@ def test_the_snapshot_comparison_finds_any_changed_byte_at_any_alignment(seed):
     pool[starts[2]] ^= 1
     _take(regions, snap)  # the new bytes taken: equal again
     assert _same(regions, snap)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_all_zero_snapshot_compares_the_live_bytes_with_zero(seed):
+    """A snapshot whose bytes are all zero (a zeroed pool's null block) says so in its first word, and
+    the comparison then reads only the live bytes: any byte set, at any alignment, makes it unequal;
+    once the changed bytes are taken the snapshot is no longer all zero and compares with its copy,
+    and taken back to zeros it is all zero again."""
+    import numpy as np
+    from numba import njit
+
+    from kvcanary.fused.snapshot import HEADER, R_LEN, same, take, taken
+
+    @njit
+    def _same(regions, snap):
+        return same(regions.ctypes.data, regions.shape[0], snap.ctypes.data)
+
+    @njit
+    def _take(regions, snap):
+        take(regions.ctypes.data, regions.shape[0], snap.ctypes.data)
+
+    def zero_flag(snap):
+        return int(snap[:HEADER].view(np.int64)[0])
+
+    rng = np.random.default_rng(seed)
+    pool = np.zeros(40_000, dtype=np.uint8)
+    starts = np.sort(rng.choice(30_000, 4, replace=False))
+    starts[0], starts[1] = starts[0] // 8 * 8, starts[1] // 8 * 8 + 5  # words aligned, and not
+    lens = rng.integers(1, 2_000, 4)
+    lens[0] = 1031
+    at = np.concatenate([[0], np.cumsum(-(-lens // 8) * 8)[:-1]])
+    regions = np.stack([pool.ctypes.data + starts, lens, at], axis=1).astype(np.int64)
+    snap = taken(regions)
+    assert zero_flag(snap) == 1 and _same(regions, snap)
+    for r in range(len(regions)):
+        for off in (0, 1, int(regions[r, R_LEN]) // 2, int(regions[r, R_LEN]) - 1):
+            i = starts[r] + off
+            pool[i] = 0x80
+            assert not _same(regions, snap), (r, off)
+            pool[i] = 0
+    assert _same(regions, snap)
+    pool[starts[3] + int(lens[3]) - 1] = 7
+    _take(regions, snap)  # the changed bytes taken: a copy to compare with
+    assert zero_flag(snap) == 0 and _same(regions, snap)
+    pool[starts[3] + int(lens[3]) - 1] = 0
+    assert not _same(regions, snap)  # zero again differs from the copy
+    _take(regions, snap)
+    assert zero_flag(snap) == 1 and _same(regions, snap)
+    pool[-1] = 9  # a byte past every region is none of the guard's business
+    assert _same(regions, snap)
