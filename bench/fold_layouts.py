@@ -7,10 +7,15 @@ time (:func:`~kvcanary.fused.fold.fold_slot`). This times both on the trained mo
 layouts, for a window-sized run of slots (``--slots``, default 11: the 256 KiB content window of
 one forward of that model) and for single slots, with the pool's lines in the caches (``hot``) and
 after reading 400 MB of other memory (``cold``: as after a forward, whose weights pass through the
-caches). Each line: the median time of ``--repeats`` calls, the content bytes per second, and the
-bytes of cache lines the call touches (an ``amx`` K row of a token lies in 32 lines, one per pair of
-dimensions, each shared by 16 tokens) per second. The last line: this core's read bandwidth (numpy
-sum over 400 MB).
+caches). Each case is timed with the next source's lines hinted into the caches while one is folded
+(``hints: true``, what the canary runs) and without (``false``), the two alternating call by call in
+one process, so a busy machine slows both alike. Each line: the median time of ``--repeats`` calls,
+the content bytes per second, and the bytes of cache lines the call touches (an ``amx`` K row of a
+token lies in 32 lines, one per pair of dimensions, each shared by 16 tokens) per second. Then the
+guard's comparison of the null block (block 0, zeroed, as vLLM allocates its pools: 32 slots of
+every layer) with its snapshot (:func:`kvcanary.fused.snapshot.same`): against zero, as an all-zero
+snapshot says it may, and against the snapshot's copy of the same bytes, alternating. The last line:
+this core's read bandwidth (numpy sum over 400 MB).
 
     python bench/fold_layouts.py [--slots 22] [--repeats 15] [--threads 1]
 """
@@ -36,6 +41,7 @@ from numba import njit  # noqa: E402
 
 from kvcanary import layouts  # noqa: E402
 from kvcanary.fused.fold import SourceTable, fold_slot, fold_slots  # noqa: E402
+from kvcanary.fused.snapshot import HEADER, regions, same, taken  # noqa: E402
 
 torch.set_num_threads(args.threads)
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 30, 3, 64, 32, 256
@@ -43,15 +49,15 @@ LINE = 64
 
 
 @njit
-def _run(src, runs, keys, slots):  # type: ignore[no-untyped-def]
-    return fold_slots(src, runs, keys, slots, slots.shape[0])
+def _run(src, runs, keys, slots, hint):  # type: ignore[no-untyped-def]
+    return fold_slots(src, runs, keys, slots, slots.shape[0], hint)
 
 
 @njit
-def _singles(src, runs, keys, slots):  # type: ignore[no-untyped-def]
+def _singles(src, runs, keys, slots, hint):  # type: ignore[no-untyped-def]
     out = np.zeros(slots.shape[0], dtype=np.int64)
     for j in range(slots.shape[0]):
-        out[j] = fold_slot(src, runs, keys, slots[j])
+        out[j] = fold_slot(src, runs, keys, slots[j], hint)
     return out
 
 
@@ -68,6 +74,40 @@ def touched(layout: str, slots: np.ndarray) -> int:
     return per_head * HEADS * LAYERS
 
 
+@njit
+def _same(regions, snap):  # type: ignore[no-untyped-def]
+    return same(regions.ctypes.data, regions.shape[0], snap.ctypes.data)
+
+
+def guard(t: SourceTable, tensors: list[torch.Tensor], junk: np.ndarray, name: str) -> None:
+    """The null block's comparison with its snapshot, against zero and against the copy."""
+    block = np.arange(BLOCK, dtype=np.int64)
+    for tensor in tensors:
+        tensor.view(BLOCKS, -1)[0] = 0  # the null block, zeroed
+    reg = regions(t, block, t.bytes_per_slot)
+    zero = taken(reg)
+    copy = zero.copy()
+    copy[:HEADER].view(np.int64)[0] = 0  # the same bytes, compared as a copy
+    assert zero[:HEADER].view(np.int64)[0] == 1 and _same(reg, zero) and _same(reg, copy)
+    for temp in ("hot", "cold"):
+        times: dict[str, list[float]] = {"zero": [], "copy": []}
+        for _ in range(args.repeats):
+            for kind, snap in (("zero", zero), ("copy", copy)):
+                if temp == "cold":
+                    junk.sum()
+                else:
+                    _same(reg, snap)
+                t0 = time.perf_counter()
+                _same(reg, snap)
+                times[kind].append(time.perf_counter() - t0)
+        for kind in ("zero", "copy"):
+            sec = statistics.median(times[kind])
+            size = int(reg[:, 1].sum())
+            print(json.dumps({"layout": name, "case": "guard", "caches": temp, "against": kind, "KiB": size // 1024,
+                              "us": round(sec * 1e6, 1), "GB_s": round(size / sec / 1e9, 2),
+                              "threads": args.threads}), flush=True)
+
+
 def main() -> None:
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -81,20 +121,26 @@ def main() -> None:
         cases = {"run": (_run, np.arange(start, start + args.slots, dtype=np.int64)),
                  "single": (_singles, np.sort(rng.choice(BLOCKS * BLOCK, args.slots, replace=False)).astype(np.int64))}
         for case, (fn, slots) in cases.items():
-            fn(t.src, t.runs, t.keys, slots)  # compiled
+            assert (fn(t.src, t.runs, t.keys, slots, True) == fn(t.src, t.runs, t.keys, slots, False)).all()
             for temp in ("hot", "cold"):
-                times = []
+                times: dict[bool, list[float]] = {True: [], False: []}
                 for _ in range(args.repeats):
-                    if temp == "cold":
-                        junk.sum()
-                    t0 = time.perf_counter()
-                    fn(t.src, t.runs, t.keys, slots)
-                    times.append(time.perf_counter() - t0)
-                sec = statistics.median(times)
-                print(json.dumps({"layout": name, "case": case, "caches": temp, "slots": len(slots),
-                                  "us": round(sec * 1e6, 1), "content_GB_s": round(len(slots) * content / sec / 1e9, 2),
-                                  "lines_GB_s": round(touched(name, slots) / sec / 1e9, 2),
-                                  "lines_KiB": touched(name, slots) // 1024, "threads": args.threads}), flush=True)
+                    for hint in (True, False):
+                        if temp == "cold":
+                            junk.sum()
+                        else:
+                            fn(t.src, t.runs, t.keys, slots, hint)
+                        t0 = time.perf_counter()
+                        fn(t.src, t.runs, t.keys, slots, hint)
+                        times[hint].append(time.perf_counter() - t0)
+                for hint in (True, False):
+                    sec = statistics.median(times[hint])
+                    print(json.dumps({"layout": name, "case": case, "caches": temp, "hints": hint,
+                                      "slots": len(slots), "us": round(sec * 1e6, 1),
+                                      "content_GB_s": round(len(slots) * content / sec / 1e9, 2),
+                                      "lines_GB_s": round(touched(name, slots) / sec / 1e9, 2),
+                                      "lines_KiB": touched(name, slots) // 1024, "threads": args.threads}), flush=True)
+        guard(t, tensors, junk, name)
     t0 = time.perf_counter()
     for _ in range(3):
         junk.sum()

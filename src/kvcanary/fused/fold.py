@@ -318,16 +318,17 @@ AHEAD = 1  # sources ahead whose lines the folds over every source hint (more me
 
 
 @njit(inline="always", **JIT)
-def fold_slots(src, runs, keys, slots, m):  # type: ignore[no-untyped-def]
+def fold_slots(src, runs, keys, slots, m, hint=True):  # type: ignore[no-untyped-def]
     """The fingerprints of the first ``m`` of ``slots`` (each ``0 <= slot < num_slots``, or -1:
     none, 0 out), folded source by source over all of them: neighbouring slots share a column-major
     K's cache lines, which slot by slot would be fetched again for each (every layer lies between),
     and runs of them in one page are folded together (:func:`fold_run`), as are both slots of a
     pack of two whose words hold one element of each (:func:`fold_pair`). The next source's lines are
-    hinted while one is folded (:func:`prefetch_slots`)."""
+    hinted while one is folded (:func:`prefetch_slots`; ``hint`` False: not, for
+    ``bench/fold_layouts.py``'s comparison)."""
     acc = np.zeros(m, dtype=np.uint64)
     for i in range(src.shape[0]):
-        if i + AHEAD < src.shape[0]:
+        if hint and i + AHEAD < src.shape[0]:
             prefetch_slots(src, runs, i + AHEAD, slots, m)
         ps, pack, width = src[i, A_PS], src[i, A_PACK], src[i, A_WIDTH]
         side = width != 0 and src[i, A_TKS] == width  # the slots' elements side by side
@@ -358,11 +359,12 @@ def fold_slots(src, runs, keys, slots, m):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **JIT)
-def fold_slot(src, runs, keys, slot):  # type: ignore[no-untyped-def]
-    """The fingerprint of one slot (``0 <= slot < num_slots``) over every source, as int64."""
+def fold_slot(src, runs, keys, slot, hint=True):  # type: ignore[no-untyped-def]
+    """The fingerprint of one slot (``0 <= slot < num_slots``) over every source, as int64, the next
+    source's lines hinted while one is folded (``hint``, as :func:`fold_slots`)."""
     acc = np.uint64(0)
     for i in range(src.shape[0]):
-        if i + AHEAD < src.shape[0]:
+        if hint and i + AHEAD < src.shape[0]:
             prefetch_slot(src, runs, i + AHEAD, slot)
         acc += fold_source(src, runs, keys, i, slot)
     return finish_content(acc)
