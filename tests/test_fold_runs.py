@@ -39,6 +39,18 @@ def _folds():  # type: ignore[no-untyped-def]
     return together, one_by_one
 
 
+def _layout(kind: str, layers: int, seed: int):  # type: ignore[no-untyped-def]
+    """A pool of ``layers`` random layers in vLLM's CPU layout ``kind`` (``vec``, ``amx``) or a
+    token-major one."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "token-major":
+        return layouts.paged_kv_split([torch.randn(2, BLOCKS, BLOCK, HEADS, DIM, generator=g).to(torch.bfloat16)
+                                       for _ in range(layers)])
+    tensors = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(torch.bfloat16) for _ in range(layers)]
+    make = layouts.vllm_cpu_vec if kind == "vec" else layouts.vllm_cpu_amx
+    return make(tensors, BLOCK, HEADS, DIM)
+
+
 def _slots(rng: np.random.Generator, n: int) -> np.ndarray:
     """Runs of neighbouring slots of random lengths (1 to 70: across 16-token packs and 32-slot pages)
     from random starts, with absent entries (-1) among them."""
@@ -55,16 +67,7 @@ def _slots(rng: np.random.Generator, n: int) -> np.ndarray:
 def test_slots_folded_together_match_slot_by_slot(kind: str) -> None:
     from kvcanary.fused.fold import A_CHUNKS, A_TKS, A_WIDTH, SourceTable
 
-    g = torch.Generator().manual_seed(1)
-    tensors = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(torch.bfloat16) for _ in range(3)]
-    if kind == "vec":
-        layout = layouts.vllm_cpu_vec(tensors, BLOCK, HEADS, DIM)
-    elif kind == "amx":
-        layout = layouts.vllm_cpu_amx(tensors, BLOCK, HEADS, DIM)
-    else:
-        layout = layouts.paged_kv_split([torch.randn(2, BLOCKS, BLOCK, HEADS, DIM, generator=g).to(torch.bfloat16)
-                                         for _ in range(3)])
-    table = SourceTable(layout)
+    table = SourceTable(_layout(kind, layers=3, seed=1))
     side = (table.src[:, A_WIDTH] != 0) & (table.src[:, A_TKS] == table.src[:, A_WIDTH])
     if kind == "vec":
         assert side.any()  # the run fold is taken there
@@ -113,16 +116,7 @@ def test_byte_spans_cover_every_run_and_merge_runs_within_a_line() -> None:
 def test_the_table_spans_hold_every_run_of_every_source(kind: str) -> None:
     from kvcanary.fused.fold import A_RUN0, A_RUNW, A_SPAN0, A_SPANS, A_WIDTH, A_WORDS, SourceTable
 
-    g = torch.Generator().manual_seed(2)
-    tensors = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(torch.bfloat16) for _ in range(2)]
-    if kind == "vec":
-        layout = layouts.vllm_cpu_vec(tensors, BLOCK, HEADS, DIM)
-    elif kind == "amx":
-        layout = layouts.vllm_cpu_amx(tensors, BLOCK, HEADS, DIM)
-    else:
-        layout = layouts.paged_kv_split([torch.randn(2, BLOCKS, BLOCK, HEADS, DIM, generator=g).to(torch.bfloat16)
-                                         for _ in range(2)])
-    t = SourceTable(layout)
+    t = SourceTable(_layout(kind, layers=2, seed=2))
     for row in t.src:
         width = int(row[A_WIDTH])
         n = int(row[A_WORDS]) if width else -(-int(row[A_WORDS]) // int(row[A_RUNW]))

@@ -102,6 +102,13 @@ def prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **JIT)
+def prefetch_bytes(a, nbytes):  # type: ignore[no-untyped-def]
+    """Hint the cache lines of ``nbytes`` contiguous bytes from ``a`` into the caches."""
+    for b in range(0, nbytes + 63, 64):
+        prefetch(min(a + b, a + nbytes - 1))
+
+
+@njit(inline="always", **JIT)
 def ld(addr, esz, i):  # type: ignore[no-untyped-def]
     """Element ``i`` of an integer or bool tensor of element size ``esz`` (1: bool/uint8, 4: int32,
     8: int64), as int64."""

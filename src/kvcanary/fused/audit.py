@@ -38,7 +38,7 @@ from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD
                                    L_HEADS, L_K, L_MAX_SLOT, L_QCODE, L_STEP, L_V, LAYER_COLUMNS, PTR_K, PTR_O, PTR_Q,
                                    PTR_V, Q_CACHED, Q_HEAD, Q_KV_HEAD, Q_LAYER, Q_LOCAL, Q_PICKED, Q_POSITION, Q_ROW,
                                    Q_SINK, Q_START, Q_TOKEN, S_K, S_O, S_Q, S_V)
-from kvcanary.fused._core import JIT, ld_i64, ld_u8, ld_u16, ld_u32, prefetch
+from kvcanary.fused._core import JIT, ld_i64, ld_u8, ld_u16, ld_u32, prefetch_bytes
 from kvcanary.fused._step import NS, lookup, rd
 from kvcanary.fused.cache import njit
 
@@ -150,13 +150,6 @@ def _differs(a, sa, b, cd, esz, nd):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **JIT)
-def _prefetch_rows(a, nbytes):  # type: ignore[no-untyped-def]
-    """Hint the cache lines of ``nbytes`` contiguous bytes from ``a`` into the caches."""
-    for b in range(0, nbytes + 63, 64):
-        prefetch(min(a + b, a + nbytes - 1))
-
-
-@njit(inline="always", **JIT)
 def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale, softcap, sink, has_sink,
            logits, slots, out, row):  # type: ignore[no-untyped-def]
     """One query's error against attention over positions ``[lo, p]`` of row ``r`` (the cached ones
@@ -178,9 +171,9 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
             s = min(max(s + shift * bs, 0), limit)
         slots[j] = s
         if hint_k:
-            _prefetch_rows(slot_at(ck, s) + kvh * ck[D_HEAD_STRIDE], nd * esz)
+            prefetch_bytes(slot_at(ck, s) + kvh * ck[D_HEAD_STRIDE], nd * esz)
         if hint_v:
-            _prefetch_rows(slot_at(cv, s) + kvh * cv[D_HEAD_STRIDE], nd * esz)
+            prefetch_bytes(slot_at(cv, s) + kvh * cv[D_HEAD_STRIDE], nd * esz)
     mx = -math.inf
     for j in range(n):
         s = slots[j]
@@ -264,10 +257,10 @@ def _prefetch_writes(c, ka, va, strides, step, toks):  # type: ignore[no-untyped
             continue
         kb, vb = slot_at(ck, s), slot_at(cv, s)
         for h in range(nh):
-            _prefetch_rows(kb + h * ck[D_HEAD_STRIDE], n)
-            _prefetch_rows(vb + h * cv[D_HEAD_STRIDE], n)
-            _prefetch_rows(ka + t * strides[S_K] + h * strides[S_K + 1], n)
-            _prefetch_rows(va + t * strides[S_V] + h * strides[S_V + 1], n)
+            prefetch_bytes(kb + h * ck[D_HEAD_STRIDE], n)
+            prefetch_bytes(vb + h * cv[D_HEAD_STRIDE], n)
+            prefetch_bytes(ka + t * strides[S_K] + h * strides[S_K + 1], n)
+            prefetch_bytes(va + t * strides[S_V] + h * strides[S_V + 1], n)
 
 
 @njit(inline="always", **JIT)

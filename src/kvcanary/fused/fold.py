@@ -17,7 +17,7 @@ import torch
 from numba import carray
 
 from kvcanary import hashing
-from kvcanary.fused._core import (JIT, finish_content, ld_w64, ld_word, prefetch, u8_pointer, u16_pointer,
+from kvcanary.fused._core import (JIT, finish_content, ld_w64, ld_word, prefetch_bytes, u8_pointer, u16_pointer,
                                   u32_pointer, u64_pointer, wmix)
 from kvcanary.fused.cache import njit
 from kvcanary.layout import KvLayout
@@ -111,15 +111,6 @@ def byte_spans(offsets: list[int], run_bytes: int) -> list[int]:
 
 
 _LINE = 64  # bytes of a cache line
-_LINE_MASK = np.int64(-_LINE)
-
-
-@njit(inline="always", **JIT)
-def _prefetch_bytes(a, n):  # type: ignore[no-untyped-def]
-    b = a & _LINE_MASK
-    while b < a + n:
-        prefetch(b)
-        b += _LINE
 
 
 @njit(inline="always", **JIT)
@@ -166,7 +157,7 @@ def prefetch_lines(src, runs, i, base):  # type: ignore[no-untyped-def]
     (its byte spans, :func:`byte_spans`)."""
     p = src[i, A_SPAN0]
     for k in range(src[i, A_SPANS]):
-        _prefetch_bytes(base + runs[p + 2 * k], runs[p + 2 * k + 1] - runs[p + 2 * k])
+        prefetch_bytes(base + runs[p + 2 * k], runs[p + 2 * k + 1] - runs[p + 2 * k])
 
 
 @njit(inline="always", **JIT)
@@ -254,14 +245,10 @@ def fold_source(src, runs, keys, i, slot):  # type: ignore[no-untyped-def]
     unfinished. The parts of a slot's sources add up (mod 2**64) in any order, so they may be folded
     at different times (:func:`kvcanary.fused.keep.keep_layer` folds each layer's as it writes)."""
     acc = np.uint64(0)
-    ps = src[i, A_PS]
-    page = slot // ps
-    inpage = slot - page * ps
-    pack = src[i, A_PACK]
-    group = src[i, A_ADDR] + page * src[i, A_PGS] + (inpage // pack) * src[i, A_PKS]  # the slot's pack
+    group, lane = _pack_base(src, i, slot)
     if src[i, A_CHUNKS]:
-        return fold_lanes(src, runs, keys, i, group, inpage % pack)
-    base = group + (inpage % pack) * src[i, A_TKS]
+        return fold_lanes(src, runs, keys, i, group, lane)
+    base = group + lane * src[i, A_TKS]
     width = src[i, A_WIDTH]
     left = src[i, A_WORDS]
     r = src[i, A_RUN0]
@@ -290,11 +277,9 @@ def fold_run(src, runs, keys, i, slot, count, acc):  # type: ignore[no-untyped-d
     element's width) and slots in one pack of one page. Element by element across the slots, a loop
     the compiler vectorises, where slot by slot each element is its own load; the same sums as
     :func:`fold_source`."""
-    ps, pack, width = src[i, A_PS], src[i, A_PACK], src[i, A_WIDTH]
-    page = slot // ps
-    inpage = slot - page * ps
-    base = (src[i, A_ADDR] + page * src[i, A_PGS] + (inpage // pack) * src[i, A_PKS]
-            + (inpage % pack) * src[i, A_TKS])
+    width = src[i, A_WIDTH]
+    group, lane = _pack_base(src, i, slot)
+    base = group + lane * src[i, A_TKS]
     left, r = src[i, A_WORDS], src[i, A_RUN0]
     ks = carray(u64_pointer(keys.ctypes.data + 8 * src[i, A_KEY0]), left)
     for j in range(left):
