@@ -62,12 +62,18 @@ def install() -> None:
     _ORIGINAL["forward"] = CPUAttentionBackendImpl.forward
 
     def forward(impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Any, output: Any = None, *args: Any, **kwargs: Any) -> Any:
+                kv_cache: torch.Tensor, attn_metadata: Any, output: Any = None, output_scale: Any = None,
+                output_block_scale: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # vLLM passes output, output_scale and output_block_scale by keyword: named here, so that the
+        # common call (no scales) reaches the engine's attention without a dict of keywords built
+        # on the way, twice per layer and forward
         t0 = time.perf_counter()  # the canary's time from here (VllmAudit.layer charges it)
         original = _ORIGINAL["forward"]
         tap = TAPS.get("forward")
         if tap is not None:
             original = functools.partial(tap, original)
+        if output_scale is not None or output_block_scale is not None:
+            kwargs = {"output_scale": output_scale, "output_block_scale": output_block_scale, **kwargs}
         audit = REGISTRY.get(getattr(layer, "layer_name", ""))
         if audit is None or attn_metadata is None or audit.fa is None:
             return original(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)

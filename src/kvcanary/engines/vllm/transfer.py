@@ -77,6 +77,13 @@ class TransferSide:
                     g.canary.import_stamps(slots, None)
                 self.report_and_heal([dataclasses.replace(v, request=r.req_id) for v in g.canary.drain()])
 
+    def has_connector_metadata(self) -> bool:
+        """``False``: vLLM asks this in every attention layer, and calls the per-layer load and save
+        hooks below only where it is true. The canary has no per-layer load or save (its per-layer
+        checks patch the attention itself, :mod:`kvcanary.engines.vllm.audit`), so the two calls a
+        layer are left out; its metadata is bound as ever (:meth:`bind_connector_metadata`)."""
+        return False
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
