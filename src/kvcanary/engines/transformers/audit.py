@@ -58,7 +58,7 @@ class CbAudit(EngineAudit):
         self.modules: dict[int, Any] = {}  # layer index -> its attention module
         self.taps: dict[str, Tap] = {}
         self.skipped = 0  # forwards of the decode fast path, not audited
-        self.layer_seconds = 0.0  # the deferred forwards' per-layer hooks' share of the canary's seconds
+        self.layer_seconds = 0.0  # the per-layer hooks' share of the canary's seconds
         self.fused = False  # the compiled loops run the checks (a CPU pool on the fused backend)
         self._said: set[str] = set()
         self._layers: dict[int, _LayerInfo] = {}
@@ -184,27 +184,18 @@ class CbAudit(EngineAudit):
             return tap(original, cache, key, value, layer_idx, kwargs)
         return original(cache, key, value, layer_idx, kwargs)
 
-    def attention(self, original: Callable[..., Any], module: Any, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, mask: Any, *args: Any, **kwargs: Any) -> Any:
-        """Around the attention of one layer: the engine's own, then this layer's checks (or what
-        they need after the forward), their seconds charged."""
-        tap = self.taps.get("attention")
-        out = (tap(original, module, query, key, value, mask, *args, **kwargs) if tap is not None
-               else original(module, query, key, value, mask, *args, **kwargs))
+    def attended(self, module: Any, query: torch.Tensor, out: Any) -> None:
+        """After the attention of one layer (the engine's own, ``out`` its result): this layer's checks
+        (or what they need after the forward), their seconds charged."""
         if self.fa is None:
-            return out
+            return
         t0 = time.perf_counter()
-        layer = module.layer_idx
-        if self._deferred:  # references only: the checks run after the forward
-            if layer in self.plans:
-                self.qstash[layer] = (query, out[0], False)
-            dt = time.perf_counter() - t0
-            self.adapter.seconds += dt
-            self.spent += dt
-            self.layer_seconds += dt
-            return out
         try:
-            if self.fused:
+            layer = module.layer_idx
+            if self._deferred:  # references only: the checks run after the forward
+                if layer in self.plans:
+                    self.qstash[layer] = (query, out[0], False)
+            elif self.fused:
                 self._layer_fused(layer, query, out[0])
             else:
                 with self.adapter.work_context():
@@ -212,8 +203,10 @@ class CbAudit(EngineAudit):
         except Exception as e:
             self.failed(e)
         finally:
-            self.charge(time.perf_counter() - t0)
-        return out
+            dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
+            self.adapter.seconds += dt
+            self.spent += dt
+            self.layer_seconds += dt
 
     def _layer_fused(self, layer: int, query: torch.Tensor, out: torch.Tensor) -> None:
         """A large forward on the compiled loop: this layer's writes now; its sampled queries' rows

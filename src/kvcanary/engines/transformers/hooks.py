@@ -190,10 +190,15 @@ def _get_interface(self: Any, attn_implementation: str, default: Callable[..., A
     wrapped = _AUDITED_FN.get(fn)
     if wrapped is None:
         def wrapped(module: Any, query: Any, key: Any, value: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
+            # the engine's attention called here, its keywords handed on once (every layer, every forward)
             audit = AUDITED.get(id(module))
             if audit is None:
                 return fn(module, query, key, value, mask, *args, **kwargs)
-            return audit.attention(fn, module, query, key, value, mask, *args, **kwargs)
+            tap = audit.taps.get("attention")
+            out = (tap(fn, module, query, key, value, mask, *args, **kwargs) if tap is not None
+                   else fn(module, query, key, value, mask, *args, **kwargs))
+            audit.attended(module, query, out)
+            return out
 
         _AUDITED_FN[fn] = wrapped
     return wrapped
