@@ -153,6 +153,19 @@ def test_off_mode_leaves_the_engine_untouched(llama):
     assert ModelRunner.compute_batch is original
 
 
+@pytest.mark.parametrize("backend,mode,loads", [("auto", "log", True), ("fused", "raise", True),
+                                               ("torch", "log", False), ("auto", "off", False)])
+def test_protect_loads_the_compiled_loops_before_the_engines_first_forward(llama, monkeypatch, backend, mode, loads):
+    """The groups' canaries are made in the engine's first forward; the compiled loops they run are
+    loaded at protect(), so that forward does not pay for it (no first-run penalty)."""
+    import kvcanary.fused
+
+    calls = []
+    monkeypatch.setattr(kvcanary.fused, "available", lambda: calls.append(1))
+    with protect(llama, CanaryConfig(mode=mode, backend=backend)):
+        assert bool(calls) == loads
+
+
 def test_version_check():
     check_version(transformers.__version__)
     with pytest.raises(UnsupportedError, match=r"transformers 4.57.1 is not supported .* expected transformers>=5.24,<5.25"):

@@ -88,6 +88,18 @@ class Protection(SchedulerSide, TransferSide, Adapter):
 
     # ---- install / remove -------------------------------------------------------------------
 
+    def _load_loops(self) -> None:
+        """The compiled CPU loops loaded from their cache (or compiled, without ``kvcanary warmup``) now,
+        where a model on the CPU may run the fused backend: the groups' canaries are made in the
+        engine's first forward (the cache exists from then), which would otherwise pay for it (about
+        half a second, once per process). Nothing where numba is missing: the canary says so when
+        it is made, as before."""
+        device = getattr(self.model, "device", None)
+        if self.config.backend in ("auto", "fused") and getattr(device, "type", None) == "cpu":
+            from kvcanary.fused import available
+
+            available()
+
     def __enter__(self) -> "Protection":
         if self.config.mode != "off":
             other = cb_hooks.ACTIVE.get(id(self.model))
@@ -95,6 +107,7 @@ class Protection(SchedulerSide, TransferSide, Adapter):
                 raise UnsupportedError(
                     f"model {type(self.model).__name__} is already protected by an active protect(); nested "
                     f"protection is not supported: use the outer guard, or exit it before protecting again")
+            self._load_loops()
             cb_hooks.install()
             cb_hooks.ACTIVE[id(self.model)] = self
             if self.config.mode != "off":  # the attention modules whose forwards are audited
