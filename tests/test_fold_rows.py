@@ -213,3 +213,81 @@ def test_keep_tables_refuses_a_table_of_another_dtype_shape_or_count() -> None:
     bad[4] = np.zeros((3, 2), dtype=np.int64).T  # half: not C-contiguous
     with pytest.raises(ValueError, match="half must be a C-contiguous 2-d int64"):
         keep_tables(*bad)
+
+
+def _row_keys_one_by_one(src, runs, keys, geometry, half):  # type: ignore[no-untyped-def]
+    """row_keys' rule written element by element: the reference the array version must equal."""
+    from kvcanary.fused.fold import A_KEY0, A_PS, A_RUN0, A_RUNW, A_WIDTH, A_WORDS, slot_base
+
+    esz, heads, dim = geometry.element_size, geometry.num_kv_heads, geometry.head_dim
+    width, words = int(src[A_WIDTH]) or 8, int(src[A_WORDS])
+    if width % esz or words * width != heads * dim * esz:
+        return None
+    j = np.arange(words)
+    r0 = int(src[A_RUN0])
+    offs = runs[r0 + j] if src[A_WIDTH] else runs[r0 + j // int(src[A_RUNW])] + 8 * (j % int(src[A_RUNW]))
+    ps = int(src[A_PS])
+    storage = geometry.tensor.untyped_storage().data_ptr()
+    pos = None
+    for slot in sorted(s for s in {0, 1, ps - 1, ps + 1, geometry.num_slots - 1} if 0 <= s < geometry.num_slots):
+        base = int(slot_base(src, slot)) - storage
+        at = {geometry.element(half, slot, h, d) - base: h * dim + d for h in range(heads) for d in range(dim)}
+        first = np.array([at.get(o, -1) for o in offs.tolist()], dtype=np.int64)
+        for e in range(1, width // esz):
+            if any(at.get(o + e * esz, -2) != p + e for o, p in zip(offs.tolist(), first.tolist())):
+                return None
+        if (first < 0).any() or ((first * esz) % width).any() or (pos is not None and not np.array_equal(first, pos)):
+            return None
+        pos = first
+    word = pos * esz // width
+    if not np.array_equal(np.sort(word), j):
+        return None
+    ordered = np.empty(words, dtype=np.uint64)
+    ordered[word] = keys[int(src[A_KEY0]) + j]
+    return width, ordered
+
+
+@pytest.mark.parametrize("isa,dtype", [("vec", torch.bfloat16), ("vec", torch.float32), ("vec16", torch.float16),
+                                       ("amx", torch.bfloat16)])
+def test_row_keys_equal_the_element_by_element_rule(isa: str, dtype: torch.dtype) -> None:
+    """The array version of row_keys gives what the rule written element by element gives: the same
+    keys in the same order for every source, and None alike for a source that is part of a row, one
+    read as the other half, and one whose runs are shifted by an element."""
+    from kvcanary.engines.vllm.fold import element_offsets, row_keys
+    from kvcanary.fused.fold import A_RUN0, A_WORDS
+
+    geos, table, _, _ = _pool(isa, dtype)
+    found = 0
+    for li, geo in enumerate(geos):
+        for j, half in enumerate(("k", "v")):
+            src = table.src[2 * li + j]
+            cases = [(src, table.runs, half), (src, table.runs, "v" if half == "k" else "k")]
+            part = src.copy()
+            part[A_WORDS] -= 1
+            cases.append((part, table.runs, half))
+            shifted = table.runs.copy()
+            shifted[int(src[A_RUN0]):] += geo.element_size
+            cases.append((src, shifted, half))
+            for s, r, h in cases:
+                got, want = row_keys(s, r, table.keys, geo, h), _row_keys_one_by_one(s, r, table.keys, geo, h)
+                assert (got is None) == (want is None), (isa, half, h)
+                if got is not None:
+                    found += 1
+                    assert got[0] == want[0] and np.array_equal(got[1], want[1])
+            for slot in (0, 17, geo.num_slots - 1):  # the arrays' places are the geometry's, element by element
+                at = element_offsets(geo, half, slot, geo.num_kv_heads, geo.head_dim)
+                assert at.tolist() == [geo.element(half, slot, h, d) for h in range(geo.num_kv_heads)
+                                       for d in range(geo.head_dim)]
+    assert found == 2 * len(geos)  # every source of the pool is keyed in a row's order
+
+
+def test_element_offsets_of_a_geometry_that_takes_integers_only() -> None:
+    from kvcanary.engines.vllm.fold import element_offsets
+
+    class Ints:
+        def element(self, half, slot, h, d):  # type: ignore[no-untyped-def]
+            if not isinstance(h, int) or not isinstance(d, int):
+                raise TypeError("integers only")
+            return 1000 * slot + 100 * h + d + (7 if half == "v" else 0)
+
+    assert element_offsets(Ints(), "v", 2, 2, 3).tolist() == [2007, 2008, 2009, 2107, 2108, 2109]

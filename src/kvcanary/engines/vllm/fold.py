@@ -113,7 +113,8 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     ``None`` where its words are not that row's bytes in another order (some of them only, or a
     word whose elements are not neighbours in the row). ``src``: the source's row of the source
     table, whose runs and keys are in ``runs`` and ``keys``; ``geometry``: the layer's, which says
-    where each element of a slot lies (checked on a few slots)."""
+    where each element of a slot lies (checked on a few slots; the elements' places are computed as
+    arrays, since a layer's K and V hold thousands of elements and a model dozens of layers)."""
     from kvcanary.fused.fold import A_KEY0, A_PS, A_RUN0, A_RUNW, A_WIDTH, A_WORDS, slot_base
 
     esz, heads, dim = geometry.element_size, geometry.num_kv_heads, geometry.head_dim
@@ -123,17 +124,27 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     j = np.arange(words)
     r0 = int(src[A_RUN0])
     offs = runs[r0 + j] if src[A_WIDTH] else runs[r0 + j // int(src[A_RUNW])] + 8 * (j % int(src[A_RUNW]))
+    offs = np.asarray(offs, dtype=np.int64)  # each word's first byte, from its slot's first
     ps = int(src[A_PS])
+    n = heads * dim
     storage = geometry.tensor.untyped_storage().data_ptr()
     pos = None
     for slot in sorted(s for s in {0, 1, ps - 1, ps + 1, geometry.num_slots - 1} if 0 <= s < geometry.num_slots):
-        base = int(slot_base(src, slot)) - storage
-        at = {geometry.element(half, slot, h, d) - base: h * dim + d for h in range(heads) for d in range(dim)}
-        first = np.array([at.get(o, -1) for o in offs.tolist()], dtype=np.int64)
+        # each row element's byte (row place h * dim + d), from the slot's first byte
+        at = element_offsets(geometry, half, slot, heads, dim) - (int(slot_base(src, slot)) - storage)
+        order = np.argsort(at, kind="stable")
+        placed = at[order]
+        if n > 1 and not (placed[1:] != placed[:-1]).all():
+            return None  # two elements in one place: not a row's bytes
+        i = np.minimum(np.searchsorted(placed, offs), n - 1)
+        first = np.where(placed[i] == offs, order[i], -1)  # the row place of each word's first element
+        if (first < 0).any():
+            return None
         for e in range(1, width // esz):  # a word's elements follow each other in the row
-            if any(at.get(o + e * esz, -2) != p + e for o, p in zip(offs.tolist(), first.tolist())):
+            nxt = first + e
+            if (nxt >= n).any() or (at[np.minimum(nxt, n - 1)] != offs + e * esz).any():
                 return None
-        if (first < 0).any() or ((first * esz) % width).any() or (pos is not None and not np.array_equal(first, pos)):
+        if ((first * esz) % width).any() or (pos is not None and not np.array_equal(first, pos)):
             return None
         pos = first
     assert pos is not None
@@ -143,6 +154,20 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     ordered = np.empty(words, dtype=np.uint64)
     ordered[word] = keys[int(src[A_KEY0]) + j]
     return width, ordered
+
+
+def element_offsets(geometry: Any, half: str, slot: int, heads: int, dim: int) -> np.ndarray:
+    """The byte offset (:meth:`~kvcanary.geometry.base.KvGeometry.element`) of every element of
+    ``slot``'s ``half``, in a row's order (``h * dim + d``): one call on arrays where the geometry's
+    arithmetic takes them, else element by element."""
+    h, d = np.divmod(np.arange(heads * dim, dtype=np.int64), dim)
+    try:
+        got = np.asarray(geometry.element(half, slot, h, d), dtype=np.int64)
+        if got.shape == h.shape:
+            return got
+    except Exception:  # noqa: BLE001 - a geometry whose element() takes integers only
+        pass
+    return np.array([geometry.element(half, slot, a, b) for a, b in zip(h.tolist(), d.tolist())], dtype=np.int64)
 
 
 class Fold:
