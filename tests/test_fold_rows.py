@@ -216,16 +216,17 @@ def test_keep_tables_refuses_a_table_of_another_dtype_shape_or_count() -> None:
 
 
 def _row_keys_one_by_one(src, runs, keys, geometry, half):  # type: ignore[no-untyped-def]
-    """row_keys' rule written element by element: the reference the array version must equal."""
-    from kvcanary.fused.fold import A_KEY0, A_PS, A_RUN0, A_RUNW, A_WIDTH, A_WORDS, slot_base
+    """row_keys' rule written element by element (the words' offsets shared, word_offsets): the
+    reference the array version must equal."""
+    from kvcanary.engines.vllm.fold import word_offsets
+    from kvcanary.fused.fold import A_KEY0, A_PS, slot_base
 
     esz, heads, dim = geometry.element_size, geometry.num_kv_heads, geometry.head_dim
-    width, words = int(src[A_WIDTH]) or 8, int(src[A_WORDS])
-    if width % esz or words * width != heads * dim * esz:
+    got = word_offsets(src, runs, geometry)
+    if got is None:
         return None
-    j = np.arange(words)
-    r0 = int(src[A_RUN0])
-    offs = runs[r0 + j] if src[A_WIDTH] else runs[r0 + j // int(src[A_RUNW])] + 8 * (j % int(src[A_RUNW]))
+    width, offs = got
+    j = np.arange(len(offs))
     ps = int(src[A_PS])
     storage = geometry.tensor.untyped_storage().data_ptr()
     pos = None
@@ -242,7 +243,7 @@ def _row_keys_one_by_one(src, runs, keys, geometry, half):  # type: ignore[no-un
     word = pos * esz // width
     if not np.array_equal(np.sort(word), j):
         return None
-    ordered = np.empty(words, dtype=np.uint64)
+    ordered = np.empty(len(offs), dtype=np.uint64)
     ordered[word] = keys[int(src[A_KEY0]) + j]
     return width, ordered
 

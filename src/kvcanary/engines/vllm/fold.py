@@ -115,16 +115,14 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     table, whose runs and keys are in ``runs`` and ``keys``; ``geometry``: the layer's, which says
     where each element of a slot lies (checked on a few slots; the elements' places are computed as
     arrays, since a layer's K and V hold thousands of elements and a model dozens of layers)."""
-    from kvcanary.fused.fold import A_KEY0, A_PS, A_RUN0, A_RUNW, A_WIDTH, A_WORDS, slot_base
+    from kvcanary.fused.fold import A_KEY0, A_PS, slot_base
 
     esz, heads, dim = geometry.element_size, geometry.num_kv_heads, geometry.head_dim
-    width, words = int(src[A_WIDTH]) or 8, int(src[A_WORDS])
-    if width % esz or words * width != heads * dim * esz:
+    got = word_offsets(src, runs, geometry)
+    if got is None:
         return None
-    j = np.arange(words)
-    r0 = int(src[A_RUN0])
-    offs = runs[r0 + j] if src[A_WIDTH] else runs[r0 + j // int(src[A_RUNW])] + 8 * (j % int(src[A_RUNW]))
-    offs = np.asarray(offs, dtype=np.int64)  # each word's first byte, from its slot's first
+    width, offs = got
+    j = np.arange(len(offs))
     ps = int(src[A_PS])
     n = heads * dim
     storage = geometry.tensor.untyped_storage().data_ptr()
@@ -151,9 +149,25 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     word = pos * esz // width
     if not np.array_equal(np.sort(word), j):
         return None
-    ordered = np.empty(words, dtype=np.uint64)
+    ordered = np.empty(len(offs), dtype=np.uint64)
     ordered[word] = keys[int(src[A_KEY0]) + j]
     return width, ordered
+
+
+def word_offsets(src: np.ndarray, runs: np.ndarray, geometry: Any) -> tuple[int, np.ndarray] | None:
+    """A source's words' width in bytes and each word's first byte from its slot's first (``src``
+    and ``runs`` as :func:`row_keys`'); ``None`` where its words cannot be a whole row of the
+    layer's K or V (another width than the elements', or another number of bytes)."""
+    from kvcanary.fused.fold import A_RUN0, A_RUNW, A_WIDTH, A_WORDS
+
+    esz = geometry.element_size
+    width, words = int(src[A_WIDTH]) or 8, int(src[A_WORDS])
+    if width % esz or words * width != geometry.num_kv_heads * geometry.head_dim * esz:
+        return None
+    j = np.arange(words)
+    r0 = int(src[A_RUN0])
+    offs = runs[r0 + j] if src[A_WIDTH] else runs[r0 + j // int(src[A_RUNW])] + 8 * (j % int(src[A_RUNW]))
+    return width, np.asarray(offs, dtype=np.int64)
 
 
 def element_offsets(geometry: Any, half: str, slot: int, heads: int, dim: int) -> np.ndarray:
