@@ -74,3 +74,50 @@ def test_connector_skips_vllms_per_layer_calls():
     conn = KvCanaryConnector.__new__(KvCanaryConnector)  # the method reads no state
     conn._connector_metadata = KVConnectorMetadata()
     assert conn.has_connector_metadata() is False
+
+
+def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch):
+    """While a forward's checks run in one call after it (``ACTIVE``), a layer it has seen goes straight
+    to it with its row, the engine's attention and arguments; any other layer, a call with output
+    scales or extra arguments, and a call under a fault's tap take the lookup by name."""
+    from types import SimpleNamespace
+
+    from kvcanary.engines.vllm import audit
+
+    forward, got = patched
+    runs, by_name = [], []
+
+    class Wide:
+        base = SimpleNamespace(by_layer={})
+
+        def run(self, t0, row, original, *args):
+            runs.append((row, args))
+            return original(*args)
+
+    class Audit:
+        fa = object()
+
+        def layer(self, t0, original, *args, **kwargs):
+            by_name.append(args)
+            return original(*args, **kwargs)
+
+    wide = Wide()
+    impl, layer, q, k, v, kv, md = _args()
+    other = _Layer()
+    wide.base.by_layer[layer] = (3, "statics")
+    monkeypatch.setattr(audit, "ACTIVE", [wide])
+    monkeypatch.setitem(audit.REGISTRY, _Layer.layer_name, Audit())
+    out = torch.zeros(2, 4)
+    assert forward(impl, layer, q, k, v, kv, md, output=out, output_scale=None, output_block_scale=None) == "engine's"
+    assert runs == [((3, "statics"), (impl, layer, q, k, v, kv, md, out))]
+    assert got[-1] == ((impl, layer, q, k, v, kv, md, out), {}) and not by_name
+    forward(impl, other, q, k, v, kv, md, output=out)  # not seen by object: by name
+    forward(impl, layer, q, k, v, kv, md, output=out, output_scale=torch.ones(1))  # a scale: by name
+    forward(impl, layer, q, k, v, kv, None, output=out)  # no metadata: by name
+    monkeypatch.setitem(audit.TAPS, "forward", lambda original, *a, **kw: original(*a, **kw))
+    forward(impl, layer, q, k, v, kv, md, output=out)  # a fault's tap: by name (it wraps the engine's)
+    assert len(runs) == 1 and len(by_name) == 3  # the call without metadata reaches the engine directly
+    audit.ACTIVE[0] = None
+    monkeypatch.delitem(audit.TAPS, "forward")
+    forward(impl, layer, q, k, v, kv, md, output=out)
+    assert len(runs) == 1 and len(by_name) == 4

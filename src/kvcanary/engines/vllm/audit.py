@@ -41,7 +41,7 @@ from kvcanary.audit.tables import (L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, STRIDE_CO
                                    strides)
 from kvcanary.engines.audit import NO_QUERIES, EngineAudit
 from kvcanary.engines.vllm.fold import Fold, FoldTables, fold_tables
-from kvcanary.engines.vllm.wide import CHECK, KEEP, NOTHING, WideBase, WideForward
+from kvcanary.engines.vllm.wide import WideBase, WideForward
 from kvcanary.geometry.base import KvGeometry
 
 log = logging.getLogger("kvcanary")
@@ -51,6 +51,9 @@ REGISTRY: dict[str, "VllmAudit"] = {}  # layer name -> the audit of the canary t
 TAPS: dict[str, Callable[..., Any]] = {}
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
 CPU = torch.device("cpu")  # the host path's device (made once: each forward's plan passes it)
+# the forward whose checks run in one call after it (VllmAudit.begin sets it, finish clears it): the
+# patch hands the layers it has seen by object straight to it, without the lookup by name
+ACTIVE: list[WideForward | None] = [None]
 
 
 def install() -> None:
@@ -67,7 +70,14 @@ def install() -> None:
         # vLLM passes output, output_scale and output_block_scale by keyword: named here, so that the
         # common call (no scales) reaches the engine's attention without a dict of keywords built
         # on the way, twice per layer and forward
-        t0 = time.perf_counter()  # the canary's time from here (VllmAudit.layer charges it)
+        t0 = time.perf_counter()  # the canary's time from here (WideForward.run or VllmAudit.layer charges it)
+        wide = ACTIVE[0]
+        if (wide is not None and attn_metadata is not None and output_scale is None and output_block_scale is None
+                and not args and not kwargs and not TAPS):
+            got = wide.base.by_layer.get(layer)
+            if got is not None:  # a layer this forward's plan has seen: its engine's, checked as planned
+                return wide.run(t0, got, _ORIGINAL["forward"], impl, layer, query, key, value, kv_cache, attn_metadata,
+                                output)
         original = _ORIGINAL["forward"]
         tap = TAPS.get("forward")
         if tap is not None:
@@ -186,7 +196,8 @@ class VllmAudit(EngineAudit):
 
     def begin(self, live: list[Any], rows: Any, forwards: int) -> None:
         """Plan this forward's write checks and audited queries from the steps' host values."""
-        self.fa, self.plans, self._wide, self.folds = None, {}, None, {}
+        self.fa, self.plans, self.folds = None, {}, {}
+        self._unset()
         self.write_tokens = self.write_index = None
         self._tables, self._step_descs = {}, {}
         if not live or not self.groups or not self.due(forwards):
@@ -209,7 +220,7 @@ class VllmAudit(EngineAudit):
                         host=True)
         self.pick_writes(int(qsl[-1]), CPU, len(layers))  # the one call after the forward thins them (WideForward)
         if all(g.canary.backend == "fused" for g in live):
-            self._wide = self._deferred(live, layers, pool, fa.queries)
+            self._wide = ACTIVE[0] = self._deferred(live, layers, pool, fa.queries)
         if self._wide is None:
             self._layer_plans()
         if self._wide is None and any(g.canary.backend == "fused" for g in live):
@@ -265,33 +276,25 @@ class VllmAudit(EngineAudit):
               key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: Any, *args: Any,
               **kwargs: Any) -> Any:
         """One covered layer's attention with its checks: where the forward's checks run in one call
-        after it (:class:`WideForward`), the write check and fold before the attention (the layer's
-        cache write ran just before it) and the audited queries' rows kept after; else every check
-        after the attention (:meth:`check_layer`). The canary's seconds from ``t0`` (the patch's first
-        statement) to the engine's attention are charged, and its checks' after it. A failure of the
-        canary's own goes to :meth:`failed`, never into the engine."""
-        wide, after = self._wide, CHECK
+        after it, :meth:`WideForward.run` (the layer is remembered by object for the patch's direct
+        path); else every check after the attention (:meth:`check_layer`). The canary's seconds from
+        ``t0`` (the patch's first statement) to the engine's attention are charged, and its checks'
+        after it. A failure of the canary's own goes to :meth:`failed`, never into the engine."""
+        wide = self._wide
         if wide is not None:
-            try:
-                after = wide.before(layer, query, key, value, md, output)
-            except Exception as e:
-                after = NOTHING
-                self.failed(e)
+            got = wide.base.rows.get(layer.layer_name)
+            if got is not None:
+                wide.base.by_layer[layer] = got
+            return wide.run(t0, got, original, impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
         dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
         self.adapter.seconds += dt
         self.spent += dt
         # the engine's extra arguments passed on only where it gave some (packing none costs, 30 times a forward)
         out = (original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs) if args or kwargs
                else original(impl, layer, query, key, value, kv_cache, md, output))
-        if after == NOTHING:
-            return out
         t0 = time.perf_counter()
         try:
-            if after == KEEP and wide is not None:
-                if self._wide is wide:
-                    wide.keep(layer, query, output)
-            else:
-                self.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
+            self.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
         except Exception as e:
             self.failed(e)
         self.charge(time.perf_counter() - t0)
@@ -299,7 +302,8 @@ class VllmAudit(EngineAudit):
 
     def finish(self) -> None:
         """After the forward: the audited queries of every layer kept for it, in one compiled call."""
-        wide, self._wide = self._wide, None
+        wide = self._wide
+        self._unset()
         if wide is None or self.fa is None:
             return
         t0 = time.perf_counter()
@@ -321,8 +325,16 @@ class VllmAudit(EngineAudit):
         return self.plans
 
     def failed(self, e: Exception) -> None:
-        self._wide = None
+        self._unset()
         super().failed(e)
+
+    def _unset(self) -> None:
+        """No forward of this audit's runs its checks in one call from here on (until the next plan)."""
+        if self._wide is not None:
+            self._wide.live = False
+            if ACTIVE[0] is self._wide:
+                ACTIVE[0] = None
+        self._wide = None
 
     def check_layer(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> None:
@@ -422,6 +434,7 @@ class VllmAudit(EngineAudit):
                 "audit_layers_torch": self.torch_layers, "content_folded_in_layers": self.folded}
 
     def close(self) -> None:
+        self._unset()
         for name in [n for n, a in REGISTRY.items() if a is self]:
             del REGISTRY[name]
 

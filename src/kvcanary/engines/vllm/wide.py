@@ -4,7 +4,8 @@ covered layer was seen before and the compiled loop reads it."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import time
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ class WideBase:
         self.names, self.table, self.fl, self.windows, self.width = names, table, fl, windows, width
         self.index = {n: i for i, n in enumerate(names)}
         self.rows = {n: (i, c) for i, (n, c) in enumerate(zip(names, statics))}  # a layer's row and its statics
+        self.by_layer: dict[Any, tuple[int, Any]] = {}  # the same by the layer's module, once seen by name
         self.by_number = {c.number: (i, c) for i, c in enumerate(statics)}
         self.numbers = [c.number for c in statics]  # each row's layer number and group, for the records
         self.groups = groups
@@ -97,6 +99,8 @@ class WideForward:
         self.qo_shape: tuple[Any, ...] | None = None  # and its query's and output's, and its heads
         self.width = width
         self._seen = bytearray(len(names))  # the layer rows seen this forward (a second sight voids the folds)
+        self.audit: Any = None  # the audit that planned it (plan)
+        self.live = True  # until the audit withdraws it (the forward's end, or a failure of the canary's own)
         self._tables()
 
     @classmethod
@@ -118,13 +122,49 @@ class WideForward:
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
         fl = np.concatenate([base.fl, np.asarray(sinks, dtype=np.float64)]) if sinks else base.fl
         wide = cls(base, steps, qt, fl, toks, fold)
+        wide.audit = audit
         wide.write = audit.write_tokens is not None
         if wide.write:
             rows = audit.write_rows
             wide.checks = rows if rows is not None and len(rows) == len(base.names) else b"\x01" * len(base.names)
         return wide
 
-    def before(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: Any,
+    def run(self, t0: float, got: tuple[int, Any] | None, original: Callable[..., Any], impl: Any, layer: Any,
+            query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: Any,
+            *args: Any, **kwargs: Any) -> Any:
+        """One layer's attention (``original``, the engine's) inside this forward: :meth:`before` it,
+        :meth:`keep` after it, or the audit's per-layer check (``CHECK``). ``got``: the layer's row and
+        statics (``None``: a layer this forward does not check). The canary's seconds from ``t0``
+        (the attention patch's first statement) to the engine's attention are charged, and those after
+        it. A failure of the canary's own goes to the audit's ``failed``, never into the engine."""
+        audit = self.audit
+        after = NOTHING
+        if got is not None:
+            try:
+                after = self.before(got, query, key, value, md, output)
+            except Exception as e:
+                audit.failed(e)
+        dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
+        audit.adapter.seconds += dt
+        audit.spent += dt
+        # the engine's extra arguments passed on only where it gave some (packing none costs, 30 times a forward)
+        out = (original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs) if args or kwargs
+               else original(impl, layer, query, key, value, kv_cache, md, output))
+        if after == NOTHING:
+            return out
+        t0 = time.perf_counter()
+        try:
+            if after == KEEP:
+                if self.live:
+                    self.keep(got[0], query, output)  # type: ignore[index]
+            else:
+                audit.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
+        except Exception as e:
+            audit.failed(e)
+        audit.charge(time.perf_counter() - t0)
+        return out
+
+    def before(self, got: tuple[int, Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: Any,
                output: torch.Tensor | None) -> int:
         """Inside one layer, after its cache write and before its attention: its write check and its
         part of the new tokens' fingerprints (:func:`kvcanary.fused.keep.keep_layer`), while the rows
@@ -132,10 +172,7 @@ class WideForward:
         ``KEEP`` (the layer's audited queries' rows, :meth:`keep`) or ``CHECK`` (a layer whose tensors
         differ from the forward's first in dtype, strides or heads, or without an output buffer, is
         checked as it goes, by the per-layer path). Makes as few tensor calls as it can: each costs
-        a microsecond or so, 30 times a forward."""
-        got = self.base.rows.get(layer.layer_name)
-        if got is None:
-            return NOTHING
+        a microsecond or so, 30 times a forward. ``got``: the layer's row and statics."""
         li, c = got
         if md is not self.md:  # a group's layers share one metadata object a forward: its checks once
             self.md, self.md_causal = md, getattr(md, "causal", True) and getattr(md, "dynamic_causal", None) is None
@@ -180,10 +217,9 @@ class WideForward:
                                               *self.fold.args)
         self.at_address = self.at.__array_interface__["data"][0]
 
-    def keep(self, layer: Any, query: torch.Tensor, output: torch.Tensor) -> None:
-        """After one layer's attention (:meth:`before` said ``KEEP``): its audited queries' rows copied
-        (:func:`kvcanary.fused.keep.keep_queries`)."""
-        li = self.index[layer.layer_name]
+    def keep(self, li: int, query: torch.Tensor, output: torch.Tensor) -> None:
+        """After the attention of the layer of row ``li`` (:meth:`before` said ``KEEP``): its audited
+        queries' rows copied (:func:`kvcanary.fused.keep.keep_queries`)."""
         self.keep_queries(self.table, li, query.data_ptr(), output.data_ptr(), self.st, self.qt, self.kept)
         self.ptrs[li, PTR_Q] = self.kept_at
         self.ptrs[li, PTR_O] = self.kept_at + self.width
