@@ -59,6 +59,7 @@ def test_a_scrape_matches_the_canary_counters_and_counts_violations_by_check(lla
     assert fault.injected_at is not None and guard.violations
     heal = guard.own_counts()  # the adapter's own counts go out with its first canary's labels
     assert heal["harmful_tokens"] > 0  # log mode: the forwards that read the flipped byte sampled from it
+    assert heal["audit_queries"] > 0 and heal["write_slots_checked"] > 0  # the write check's and audit's too
     first = next(iter(guard.named_canaries()))
     for name, c in guard.named_canaries().items():
         st = c.stats()

@@ -16,8 +16,13 @@ def test_forwards_are_a_rank_s_most_over_its_groups_summed_over_ranks():
         samples.append(("kvcanary_device_steps_total", {"group": "sliding", "tp_rank": rank}, 0))
     samples.append(("kvcanary_internal_errors_total", {"group": "full", "tp_rank": "1"}, 2))
     samples.append(("kvcanary_guard_checks_total", {"group": "full", "tp_rank": "0"}, 7))  # not a fuzz counter
+    for rank, queries, writes in (("0", 40, 960), ("1", 38, 960)):  # the adapter's, with its first group's labels
+        samples.append(("kvcanary_audit_queries_total", {"group": "full", "tp_rank": rank}, queries))
+        samples.append(("kvcanary_write_slots_checked_total", {"group": "full", "tp_rank": rank}, writes))
+        samples.append(("kvcanary_audit_queries_total", {"group": "sliding", "tp_rank": rank}, 0))
     out = summed(samples)
     assert out["forwards"] == out["steps"] == 218 and out["device_forwards"] == 218
+    assert out["audit_queries"] == 78 and out["write_slots_checked"] == 1920  # every worker's checks, summed
     assert out["slots_verified"] == 3000 and out["internal_errors"] == 2 and "guard_checks" not in out
     # a rank whose steps fell back to the host shows as fewer device steps than forwards
     samples.append(("kvcanary_device_steps_total", {"group": "full", "tp_rank": "2"}, 10))

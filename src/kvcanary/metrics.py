@@ -59,6 +59,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
                        "(an upper bound; kvcanary.harm)"),
     "device_forwards": ("kvcanary_device_steps", "Forwards whose steps were built on the device, nothing read back "
                         "before them (vLLM)"),
+    "audit_queries": ("kvcanary_audit_queries", "Attention queries the read audit recomputed from the verified KV"),
+    "write_slots_checked": ("kvcanary_write_slots_checked", "New tokens' layer writes the write check compared bit "
+                            "for bit with what the layer computed"),
+    "write_bytes_checked": ("kvcanary_write_bytes_checked", "KV bytes the write check compared"),
+    "write_slots_unchecked": ("kvcanary_write_slots_unchecked", "New tokens' layer writes the time budget left to "
+                              "the content checks (fingerprinted from what the layer computed)"),
 }
 
 

@@ -271,5 +271,10 @@ class EngineAudit:
         finally:
             self.spent += time.perf_counter() - t0
 
+    def counts(self) -> dict[str, int]:
+        """The counters the metrics publish: queries audited, new tokens' layer writes checked (and
+        their bytes) and left unchecked by the time budget."""
+        return self.auditor.stats()
+
     def stats(self) -> dict[str, int]:
         return {**self.auditor.stats(), **self.budget.stats()}

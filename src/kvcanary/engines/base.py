@@ -80,6 +80,8 @@ class Adapter:
         self.pending: BaseException | None = None
         self.harm = HarmCounter()  # tokens sampled from corrupted KV before a report (kvcanary.harm)
         self.metrics: Metrics | None = None
+        # the engine's write check and read audit (kvcanary.engines.audit.EngineAudit), where it has one
+        self.audit: Any = None
         if config.metrics or config.metrics_port is not None:
             self.metrics = process_metrics()  # a clear error here when prometheus-client is missing
             if config.metrics_port is not None:
@@ -165,8 +167,12 @@ class Adapter:
 
     def own_counts(self) -> dict[str, int]:
         """The adapter's own counters, published with its first canary's metrics: its healing
-        counters, and any its engine adds."""
-        return self.heal_counts()
+        counters, its write check's and read audit's (:meth:`EngineAudit.counts
+        <kvcanary.engines.audit.EngineAudit.counts>`), and any its engine adds."""
+        out = self.heal_counts()
+        if self.audit is not None:
+            out.update(self.audit.counts())
+        return out
 
     def request_at(self, step: int, row: int) -> str | None:
         """The request behind row ``row`` of canary step ``step``, while the adapter remembers it."""

@@ -297,7 +297,8 @@ def _prom_stats(prom: str) -> dict[str, int]:
 PROM_NAMES = {"kvcanary_slots_verified_total": "slots_verified", "kvcanary_steps_total": "forwards",
               "kvcanary_internal_errors_total": "internal_errors",
               "kvcanary_content_slots_verified_total": "content_slots_verified",
-              "kvcanary_device_steps_total": "device_forwards"}
+              "kvcanary_device_steps_total": "device_forwards", "kvcanary_audit_queries_total": "audit_queries",
+              "kvcanary_write_slots_checked_total": "write_slots_checked"}
 
 
 def summed(samples: Iterable[tuple[str, dict[str, str], float]]) -> dict[str, int]:

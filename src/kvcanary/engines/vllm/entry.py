@@ -401,7 +401,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         return {**Adapter.heal_counts(self), **self.heal.counts}
 
     def own_counts(self) -> dict[str, int]:
-        return {**self.heal_counts(), "device_forwards": self.device_forwards}
+        return {**Adapter.own_counts(self), "device_forwards": self.device_forwards}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The bad blocks of this forward (healing modes, one KV cache group): vLLM drops the forward's
