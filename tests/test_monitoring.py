@@ -161,6 +161,8 @@ def test_prometheus_fires_what_a_faulted_repair_run_earns_and_nothing_else(prome
         assert panels["Violations (range)"][0][1] > 0 and panels["Requests repaired (range)"][0][1] > 0, panels
         by_check = panels["Violations by check, site and instance (records per 5 min)"]
         assert any(lb.get("check") == "content" and lb.get("site") == "verify" and v > 0 for lb, v in by_check), by_check
+        checked = panels["Write check and read audit per second"]  # the runs' write checks, by worker
+        assert any(lb.get("engine") == "transformers" and lb.get("tp_rank") == "0" and v > 0 for lb, v in checked), checked
     finally:
         work.kill()
         work.wait(timeout=30)
