@@ -73,7 +73,17 @@ FINE = [
     ("kvcanary.engines.audit", "EngineAudit", "end", "  audit forward ended (budget)"),
     ("kvcanary.canary", "Canary", "drain", "  canary violations drained"),
     ("kvcanary.engines.vllm.scheduler", "SchedulerSide", "_add", "  scheduler: a request's step added"),
+    ("kvcanary.engines.vllm.compiled", "", "rows_of", "  rows: compiled matching and new tokens"),
+    ("kvcanary.engines.vllm.compiled", "", "step_of", "  steps: compiled new-token fields"),
+    ("kvcanary.engines.vllm.compiled", "", "written_from", "    reads of this step's writes (checks, descriptor)"),
+    ("kvcanary.engines.vllm.compiled", "", "Step", "    the step made (kvcanary.step.Step)"),
+    ("kvcanary.step", "Step", "validate_shapes", "  a step's shapes checked"),
+    ("kvcanary.harm", "HarmCounter", "forward", "  harm ledger's rows"),
+    ("kvcanary.engines.vllm.wide", "WideForward", "__init__", "  audit: the forward's plan made (buffers, tables)"),
+    ("kvcanary.engines.vllm.fold", "Fold", "whole", "  fold: fully folded tokens counted"),
 ]
+# modules whose import loads numba (timed from the timed generate on, like kvcanary.fused's)
+LATE = ("kvcanary.fused", "kvcanary.engines.vllm.compiled")
 WRAPPER = "per-layer wrapper (the engine's attention excluded)"
 CANARY = ("before-forward hook", "position check", WRAPPER, "after-forward hook")
 PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call", WRAPPER,
@@ -99,7 +109,7 @@ def _install(spent: dict[str, float], calls: dict[str, int], stages: list[tuple[
         return wrapper
 
     for module, owner, attr, stage in stages:
-        if module.startswith("kvcanary.fused") != late:
+        if module.startswith(LATE) != late:
             continue
         if not module:  # the compiled keep: each forward's plan holds it (numba loads with the engine, not before)
             from kvcanary.engines.vllm import wide
