@@ -182,8 +182,12 @@ def test_the_fold_tables_join_groups_and_refuse_a_layer_outside_its_group():
     assert t.spans.tolist() == [[0, k], [k + 1, 2 * k]] and t.sources == {"a": k, "b": k}
     assert np.array_equal(t.src[k:, 0], b.table.src[:, 0])
     fold = Fold(t, ["a", "b"], 4)
+    fold.cnt[:] = [[k, k - 1, k, 0], [k, k, 3, k]]  # tokens folded over all k sources of their group: 5
+    assert fold.whole() == int(np.count_nonzero(fold.cnt == np.array([[k], [k]]))) == 5
+    fold.cnt[:] = 0
     fold.layer(0)
     fold.layer(1)
     assert fold.layer(0)[-2].shape[1] == 0 and (fold.cnt < 0).all()  # a layer seen twice voids the forward
+    assert fold.whole() == 0
     with pytest.raises(ValueError, match="outside group b"):
         fold_tables([ga, gb], ["x", "y"], group_of, {"y": (0, k + 1)})
