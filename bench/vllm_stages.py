@@ -40,7 +40,7 @@ STAGES = [
     ("kvcanary.engines.vllm.audit", "VllmAudit", "check_layer", "per-layer checks (write check, read audit)"),
     ("kvcanary.engines.audit", "EngineAudit", "run_compiled", "  compiled call"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.model_positions", "__wrapped__", "position check"),
-    ("kvcanary.engines.vllm.wide", "WideForward", "run", "per-layer wrapper (the engine's attention excluded)"),
+    ("kvcanary.engines.vllm.wide", "", "attend", "per-layer wrapper (the engine's attention excluded)"),
     ("kvcanary.engines.vllm.wide", "WideForward", "before", "  before attention (write check, fold)"),
     ("", "", "", "    compiled call (write check, fold)"),
     ("kvcanary.engines.vllm.wide", "WideForward", "keep", "  after attention (audited rows copied)"),
@@ -130,8 +130,8 @@ def _install(spent: dict[str, float], calls: dict[str, int], stages: list[tuple[
         def wrapper(*a: Any, _fn: Any = fn, _stage: str = stage, **k: Any) -> Any:
             t = time.perf_counter()
             inner = [0.0]
-            if _stage == WRAPPER:  # WideForward.run(self, t0, got, original, ...): the engine's attention left out
-                original = a[3]
+            if _stage == WRAPPER:  # attend(audit, plan, got, t0, original, ...): the engine's attention left out
+                original = a[4]
 
                 def attention(*aa: Any, **kk: Any) -> Any:
                     t1 = time.perf_counter()
@@ -140,7 +140,7 @@ def _install(spent: dict[str, float], calls: dict[str, int], stages: list[tuple[
                     finally:
                         inner[0] += time.perf_counter() - t1
 
-                a = (a[0], a[1], a[2], attention, *a[4:])
+                a = (*a[:4], attention, *a[5:])
             try:
                 return _fn(*a, **k)
             finally:

@@ -218,7 +218,7 @@ def test_keep_tables_refuses_a_table_of_another_dtype_shape_or_count() -> None:
 def _row_keys_one_by_one(src, runs, keys, geometry, half):  # type: ignore[no-untyped-def]
     """row_keys' rule written element by element (the words' offsets shared, word_offsets): the
     reference the array version must equal."""
-    from kvcanary.engines.vllm.fold import word_offsets
+    from kvcanary.engines.vllm.fold import probe_slots, word_offsets
     from kvcanary.fused.fold import A_KEY0, A_PS, slot_base
 
     esz, heads, dim = geometry.element_size, geometry.num_kv_heads, geometry.head_dim
@@ -230,7 +230,7 @@ def _row_keys_one_by_one(src, runs, keys, geometry, half):  # type: ignore[no-un
     ps = int(src[A_PS])
     storage = geometry.tensor.untyped_storage().data_ptr()
     pos = None
-    for slot in sorted(s for s in {0, 1, ps - 1, ps + 1, geometry.num_slots - 1} if 0 <= s < geometry.num_slots):
+    for slot in probe_slots(ps, geometry.num_slots):
         base = int(slot_base(src, slot)) - storage
         at = {geometry.element(half, slot, h, d) - base: h * dim + d for h in range(heads) for d in range(dim)}
         first = np.array([at.get(o, -1) for o in offs.tolist()], dtype=np.int64)

@@ -89,10 +89,14 @@ def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch)
 
     class Wide:
         base = SimpleNamespace(by_layer={})
+        audit = object()
 
-        def run(self, t0, row, original, *args):
-            runs.append((row, args))
-            return original(*args)
+    def attend(audit, plan, row, t0, original, *args):
+        assert audit is plan.audit
+        runs.append((row, args))
+        return original(*args)
+
+    monkeypatch.setattr(audit.wide, "attend", attend)
 
     class Audit:
         fa = object()

@@ -41,6 +41,7 @@ from kvcanary.audit.tables import (L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, STRIDE_CO
                                    strides)
 from kvcanary.engines.audit import NO_QUERIES, EngineAudit
 from kvcanary.engines.vllm.fold import Fold, FoldTables, fold_tables
+from kvcanary.engines.vllm import wide
 from kvcanary.engines.vllm.wide import WideBase, WideForward
 from kvcanary.geometry.base import KvGeometry
 
@@ -70,14 +71,14 @@ def install() -> None:
         # vLLM passes output, output_scale and output_block_scale by keyword: named here, so that the
         # common call (no scales) reaches the engine's attention without a dict of keywords built
         # on the way, twice per layer and forward
-        t0 = time.perf_counter()  # the canary's time from here (WideForward.run or VllmAudit.layer charges it)
-        wide = ACTIVE[0]
-        if (wide is not None and attn_metadata is not None and output_scale is None and output_block_scale is None
+        t0 = time.perf_counter()  # the canary's time from here (kvcanary.engines.vllm.wide.attend charges it)
+        plan = ACTIVE[0]
+        if (plan is not None and attn_metadata is not None and output_scale is None and output_block_scale is None
                 and not args and not kwargs and not TAPS):
-            got = wide.base.by_layer.get(layer)
+            got = plan.base.by_layer.get(layer)
             if got is not None:  # a layer this forward's plan has seen: its engine's, checked as planned
-                return wide.run(t0, got, _ORIGINAL["forward"], impl, layer, query, key, value, kv_cache, attn_metadata,
-                                output)
+                return wide.attend(plan.audit, plan, got, t0, _ORIGINAL["forward"], impl, layer, query, key, value,
+                                   kv_cache, attn_metadata, output)
         original = _ORIGINAL["forward"]
         tap = TAPS.get("forward")
         if tap is not None:
@@ -276,41 +277,30 @@ class VllmAudit(EngineAudit):
               key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: Any, *args: Any,
               **kwargs: Any) -> Any:
         """One covered layer's attention with its checks: where the forward's checks run in one call
-        after it, :meth:`WideForward.run` (the layer is remembered by object for the patch's direct
-        path); else every check after the attention (:meth:`check_layer`). The canary's seconds from
+        after it, its plan's checks around it (the layer is remembered by object for the patch's direct
+        path); else every check after the attention (:meth:`check_layer`); both by
+        :func:`kvcanary.engines.vllm.wide.attend`. The canary's seconds from
         ``t0`` (the patch's first statement) to the engine's attention are charged, and its checks'
         after it. A failure of the canary's own goes to :meth:`failed`, never into the engine."""
-        wide = self._wide
-        if wide is not None:
-            got = wide.base.rows.get(layer.layer_name)
+        plan, got = self._wide, None
+        if plan is not None:
+            got = plan.base.rows.get(layer.layer_name)
             if got is not None:
-                wide.base.by_layer[layer] = got
-            return wide.run(t0, got, original, impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
-        dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
-        self.adapter.seconds += dt
-        self.spent += dt
-        # the engine's extra arguments passed on only where it gave some (packing none costs, 30 times a forward)
-        out = (original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs) if args or kwargs
-               else original(impl, layer, query, key, value, kv_cache, md, output))
-        t0 = time.perf_counter()
-        try:
-            self.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
-        except Exception as e:
-            self.failed(e)
-        self.charge(time.perf_counter() - t0)
-        return out
+                plan.base.by_layer[layer] = got
+        return wide.attend(self, plan, got, t0, original, impl, layer, query, key, value, kv_cache, md, output, *args,
+                           **kwargs)
 
     def finish(self) -> None:
         """After the forward: the audited queries of every layer kept for it, in one compiled call."""
-        wide = self._wide
+        plan = self._wide
         self._unset()
-        if wide is None or self.fa is None:
+        if plan is None or self.fa is None:
             return
         t0 = time.perf_counter()
-        self.folds = wide.fold.results()  # folded inside the layers: valid whatever the call below does
-        self.folded += wide.fold.whole()
+        self.folds = plan.fold.results()  # folded inside the layers: valid whatever the call below does
+        self.folded += plan.fold.whole()
         try:
-            wide.finish(self)
+            plan.finish(self)
         except Exception as e:
             self.failed(e)
         finally:

@@ -41,15 +41,15 @@ class FoldTables:
     sources: dict[str, int]
     rows: np.ndarray  # per source: its first key in ``row_keys``, its words' width, 0 (K) or 1 (V); -1: none
     row_keys: np.ndarray
-    _whole: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    _whole: dict[tuple[str, ...], list[int]] = field(default_factory=dict, compare=False, repr=False)
 
-    def whole(self, groups: list[str]) -> np.ndarray:
-        """Each of ``groups``' count of sources, as a column (-1: a group without a source table, never
-        whole), made once per list of groups."""
+    def whole(self, groups: list[str]) -> list[int]:
+        """Each of ``groups``' count of sources (-1: a group without a source table, never whole), made
+        once per list of groups."""
         key = tuple(groups)
         got = self._whole.get(key)
         if got is None:
-            got = self._whole[key] = np.array([[self.sources.get(n, -1)] for n in groups], dtype=np.int64)
+            got = self._whole[key] = [self.sources.get(n, -1) for n in groups]
         return got
 
 
@@ -127,7 +127,7 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     n = heads * dim
     storage = geometry.tensor.untyped_storage().data_ptr()
     pos = None
-    for slot in sorted(s for s in {0, 1, ps - 1, ps + 1, geometry.num_slots - 1} if 0 <= s < geometry.num_slots):
+    for slot in probe_slots(ps, geometry.num_slots):
         # each row element's byte (row place h * dim + d), from the slot's first byte
         at = element_offsets(geometry, half, slot, heads, dim) - (int(slot_base(src, slot)) - storage)
         order = np.argsort(at, kind="stable")
@@ -152,6 +152,12 @@ def row_keys(src: np.ndarray, runs: np.ndarray, keys: np.ndarray, geometry: Any,
     ordered = np.empty(len(offs), dtype=np.uint64)
     ordered[word] = keys[int(src[A_KEY0]) + j]
     return width, ordered
+
+
+def probe_slots(page_slots: int, num_slots: int) -> list[int]:
+    """The slots :func:`row_keys` checks a source's element places on: the pool's first two and last,
+    and those either side of the first page boundary (``page_slots``: slots a page)."""
+    return sorted(s for s in {0, 1, page_slots - 1, page_slots + 1, num_slots - 1} if 0 <= s < num_slots)
 
 
 def word_offsets(src: np.ndarray, runs: np.ndarray, geometry: Any) -> tuple[int, np.ndarray] | None:
@@ -219,4 +225,4 @@ class Fold:
         Python: it runs first after the forward, where numpy's first ufunc pays to bring its code
         back into the core's caches (a compare and count of a decode batch took 52-53 µs there, this
         12; ``bench/vllm_stages.py --fine``)."""
-        return sum(row.count(w) for row, w in zip(self.cnt.tolist(), self._whole[:, 0].tolist()))
+        return sum(row.count(w) for row, w in zip(self.cnt.tolist(), self._whole))

@@ -129,41 +129,6 @@ class WideForward:
             wide.checks = rows if rows is not None and len(rows) == len(base.names) else b"\x01" * len(base.names)
         return wide
 
-    def run(self, t0: float, got: tuple[int, Any] | None, original: Callable[..., Any], impl: Any, layer: Any,
-            query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: Any,
-            *args: Any, **kwargs: Any) -> Any:
-        """One layer's attention (``original``, the engine's) inside this forward: :meth:`before` it,
-        :meth:`keep` after it, or the audit's per-layer check (``CHECK``). ``got``: the layer's row and
-        statics (``None``: a layer this forward does not check). The canary's seconds from ``t0``
-        (the attention patch's first statement) to the engine's attention are charged, and those after
-        it. A failure of the canary's own goes to the audit's ``failed``, never into the engine."""
-        audit = self.audit
-        after = NOTHING
-        if got is not None:
-            try:
-                after = self.before(got, query, key, value, md, output)
-            except Exception as e:
-                audit.failed(e)
-        dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
-        audit.adapter.seconds += dt
-        audit.spent += dt
-        # the engine's extra arguments passed on only where it gave some (packing none costs, 30 times a forward)
-        out = (original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs) if args or kwargs
-               else original(impl, layer, query, key, value, kv_cache, md, output))
-        if after == NOTHING:
-            return out
-        t0 = time.perf_counter()
-        try:
-            if after == KEEP:
-                if self.live:
-                    self.keep(got[0], query, output)  # type: ignore[index]
-            else:
-                audit.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
-        except Exception as e:
-            audit.failed(e)
-        audit.charge(time.perf_counter() - t0)
-        return out
-
     def before(self, got: tuple[int, Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: Any,
                output: torch.Tensor | None) -> int:
         """Inside one layer, after its cache write and before its attention: its write check and its
@@ -251,3 +216,40 @@ class WideForward:
             audit.count_writes(len(rows), len(self.toks), audit.geometry[self.names[rows[0]]].token_bytes)
         if self.trusted:
             audit.unchecked_writes(self.trusted, len(self.toks))
+
+
+def attend(audit: Any, plan: WideForward | None, got: tuple[int, Any] | None, t0: float, original: Callable[..., Any],
+           impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+           md: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+    """One covered layer's attention (``original``, the engine's) with ``audit``'s checks: with the
+    forward's ``plan``, :meth:`WideForward.before` it and :meth:`WideForward.keep` after it (or the
+    audit's per-layer check where the plan says ``CHECK``), ``got`` the layer's row and statics in the
+    plan (``None``: a layer it does not check); without a plan, every check after the attention
+    (the audit's ``check_layer``). The canary's seconds from ``t0`` (the attention patch's first
+    statement) to the engine's attention are charged, and those after it. A failure of the canary's
+    own goes to the audit's ``failed``, never into the engine."""
+    after = CHECK if plan is None else NOTHING
+    if plan is not None and got is not None:
+        try:
+            after = plan.before(got, query, key, value, md, output)
+        except Exception as e:
+            audit.failed(e)
+    dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
+    audit.adapter.seconds += dt
+    audit.spent += dt
+    # the engine's extra arguments passed on only where it gave some (packing none costs, 30 times a forward)
+    out = (original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs) if args or kwargs
+           else original(impl, layer, query, key, value, kv_cache, md, output))
+    if after == NOTHING:
+        return out
+    t0 = time.perf_counter()
+    try:
+        if after == KEEP:
+            if plan is not None and plan.live and got is not None:
+                plan.keep(got[0], query, output)
+        else:
+            audit.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
+    except Exception as e:
+        audit.failed(e)
+    audit.charge(time.perf_counter() - t0)
+    return out
