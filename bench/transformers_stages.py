@@ -4,7 +4,7 @@ nested as the adapter calls them. ``--model tiny`` (default): the demo's random 
 decode-heavy; ``--model real``: SmolLM2-135M-Instruct (:mod:`kvcanary.real_model`) in bf16, the demo's
 8 chat questions twice over (16 requests), 64 new tokens each, greedy.
 
-    python bench/transformers_stages.py [--model tiny|real] [--threads 1] [--runs 3] [--backend fused]
+    python bench/transformers_stages.py [--model tiny|real] [--threads 1] [--runs 3] [--backend fused] [--fine]
 
 A stage's time includes its callees (a canary hook includes its compiled call); the two hook totals
 are the canary's time but for what it does inside each layer (looking the layer's protection up and
@@ -14,7 +14,8 @@ canary's own count of it, ``layer_seconds`` of its audit). The last line's ``can
 per-layer work), ``hooks_us_per_forward`` the two hooks' sum as timed here; shares are of the
 counter. ``first_run``: the same counter for the process's first protected run (the warm-up, left
 out of the rest), where a lazily loaded or compiled loop would show. Each wrapped call adds about a
-microsecond of its own. ``KVCANARY_*`` variables
+microsecond of its own. ``--fine`` also times the hooks' parts (each nested under the stage that
+calls it; a part called from several stages is listed once, under the first). ``KVCANARY_*`` variables
 set in the environment change the canary's configuration (the last line's ``config`` says which).
 """
 
@@ -33,6 +34,7 @@ ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--runs", type=int, default=3)
 ap.add_argument("--backend", default="fused")
 ap.add_argument("--model", default="tiny", choices=("tiny", "real"))
+ap.add_argument("--fine", action="store_true", help="also time the hooks' parts")
 ARGS = ap.parse_args()
 os.environ.setdefault("OMP_NUM_THREADS", str(ARGS.threads))
 
@@ -44,6 +46,10 @@ from kvcanary.engines import transformers as cb  # noqa: E402
 from kvcanary.engines.transformers import audit as cb_audit  # noqa: E402
 from kvcanary.engines.transformers import entry as cb_entry  # noqa: E402
 from kvcanary.engines.transformers import cb_configs, protect, tiny_model  # noqa: E402
+from kvcanary.engines.audit import EngineAudit  # noqa: E402
+from kvcanary.fused import _step as fused_step  # noqa: E402
+from kvcanary.fused import audit as fused_audit  # noqa: E402
+from kvcanary.fused.forward import ForwardArgs  # noqa: E402
 from kvcanary.harm import HarmCounter  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -65,6 +71,22 @@ STAGES = [
     (cb.Protection, "poll", "  poll (drain, report)"),
     (cb.Protection, "publish_metrics", "  metrics"),
 ]
+# --fine: the hooks' parts (the compiled loops' entries called where the stages above call them)
+FINE = [
+    (EngineAudit, "sample", "  audit: queries sampled"),
+    (EngineAudit, "start", "  audit: forward's results allocated"),
+    (cb_audit.CbAudit, "_plan_fused", "  audit: query table and floats"),
+    (cb_audit.CbAudit, "_run", "  audit: the one call's tables and records"),
+    (fused_step, "describe", "    step descriptors for the one call"),
+    (EngineAudit, "run_compiled", "    the one call and its records"),
+    (fused_audit, "check_forward", "      the one call's compiled loop"),
+    (EngineAudit, "drain", "  audit results drained"),
+    (EngineAudit, "end", "  audit forward ended (budget)"),
+    (Canary, "_described", "  step descriptors (verify and stamp)"),
+    (ForwardArgs, "before", "  compiled verify"),
+    (ForwardArgs, "after", "  compiled stamp, guard, patrol"),
+    (Canary, "drain", "  canary violations drained"),
+]
 
 
 def timed(owner: Any, attr: str, stage: str) -> None:
@@ -82,7 +104,8 @@ def timed(owner: Any, attr: str, stage: str) -> None:
 
 def main() -> None:
     torch.set_num_threads(ARGS.threads)
-    for owner, attr, stage in STAGES:
+    stages = STAGES + (FINE if ARGS.fine else [])
+    for owner, attr, stage in stages:
         timed(owner, attr, stage)
     if ARGS.model == "real":
         from kvcanary import real_model
@@ -117,7 +140,9 @@ def main() -> None:
                          "canary_share_of_run": round(mine / took, 4), "forward_ms": round(1e3 * took / max(guard.forwards, 1), 2)}
         assert guard.stats()["violations"] == 0 and guard.stats()["internal_errors"] == 0
     total = spent["before-forward hook"] + spent["after-forward hook"]
-    for _, _, stage in STAGES:
+    for _, _, stage in stages:
+        if ARGS.fine and stage == FINE[0][2]:
+            print("the hooks' parts (--fine; each nested in the stage above that calls it):")
         print(f"{stage:48s} {spent[stage] / forwards * 1e6:8.1f} us/forward  {spent[stage] / own:6.1%} of the canary")
     print(f"{'inside the layers (the per-layer hooks)':48s} {inside / forwards * 1e6:8.1f} us/forward  "
           f"{inside / own:6.1%} of the canary")

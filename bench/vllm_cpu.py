@@ -9,7 +9,9 @@ audit: KVCANARY_WRITE_CHECK=0 KVCANARY_AUDIT_QUERIES=0, so ``x_off`` of ``on`` m
 they were before they ran on every forward: every fourth forward, 4 queries, no time budget); ``on_full`` (every read byte verified:
 KVCANARY_CONTENT_BUDGET_BYTES=none); ``on_meta`` (metadata only: KVCANARY_CONTENT=none); ``on_noscan``
 (no content window and no patrol: KVCANARY_CONTENT_BUDGET_BYTES=0 KVCANARY_PATROL_BUDGET_BYTES=0). ``--modes``
-picks some (``off`` always runs). Every round runs each mode once, in that order in even rounds and
+picks some (``off`` always runs). Engines run eager (``--enforce-eager``, as the tests do) unless
+``--compiled`` gives them vLLM's default, the model compiled by torch.compile (its compile time
+is part of the engine start, not timed). Every round runs each mode once, in that order in even rounds and
 the reverse in odd ones (so a machine slowing down or speeding up over the bench weighs on every mode
 alike), over ``--rounds`` rounds; each run is
 a fresh vLLM engine in its own process (:func:`kvcanary.faults.vllm_runner.run_in_subprocess`: vLLM
@@ -164,6 +166,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, help="default 32 (tiny), 16 (real)")
     ap.add_argument("--max-tokens", type=int, help="default 96 (tiny), 64 (real)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--compiled", action="store_true",
+                    help="vLLM's default model execution (torch.compile) instead of --enforce-eager")
     args = ap.parse_args()
     modes = ["off"] + [m for m in args.modes.split(",") if m != "off"]
     bad = [m for m in modes if m not in MODES]
@@ -182,6 +186,7 @@ def main() -> int:
             model, extra, name = tmp, {}, f"llama layers={args.layers} hidden={args.hidden}"
             save_tiny_llama(model, layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2,
                             intermediate=3 * args.hidden)
+        extra["eager"] = not args.compiled
         for rnd in range(args.rounds):
             for mode in (modes if rnd % 2 == 0 else modes[::-1]):
                 out = run_mode(mode, model, args, extra)
@@ -192,7 +197,8 @@ def main() -> int:
                 same = same and tokens == first
     print(f"\nvLLM CPU, {name}, {args.requests} requests x "
           f"{args.max_tokens} new tokens, OMP_NUM_THREADS={args.threads}{' bound' if args.bind else ''}, "
-          f"{args.rounds} rounds; medians; tokens identical in every run: {same}")
+          f"{args.rounds} rounds, {'compiled (torch.compile)' if args.compiled else 'eager'}; medians; tokens "
+          f"identical in every run: {same}")
     sums = summary(rows, modes)
     table(sums)
     return 0 if same and all(s["violations"] == 0 for s in sums) else 1

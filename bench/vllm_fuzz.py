@@ -6,8 +6,10 @@ SmolLM2-135M-Instruct, ``smollm2``, prompted with real text), fp32 or bf16, a he
 and 112 select the vec16 kernels), block size 32/64/128, prefix caching with shared prefixes on and
 off block boundaries, chunked prefill, a pool small enough to preempt, parallel sampling, ngram
 speculative decoding, tensor parallel 2, aborts, max_tokens 1, every read byte verified in part of
-them, and in about 30 % the steps built on the device as on a GPU (``device_steps``; the
-connector's before-forward under the host-sync guard where the engine runs in-process). Each runs without the canary (twice where vLLM itself is not deterministic) and with it.
+them, in about 30 % the steps built on the device as on a GPU (``device_steps``; the
+connector's before-forward under the host-sync guard where the engine runs in-process), and in about
+20 % vLLM's default model execution, the model compiled by torch.compile (``compiled``; the others run
+``--enforce-eager``, whose engines start faster). Each runs without the canary (twice where vLLM itself is not deterministic) and with it.
 A clean engine must give zero violations, zero internal errors, the same KV cache groups and
 blocks, the same greedy tokens where vLLM is deterministic, and the events the configuration claims.
 
@@ -103,6 +105,7 @@ def summary(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
             "vec16_head_size": sum(c["head_dim"] in (80, 112) for c in cfgs),
             "block_sizes": sorted({c["block_size"] for c in cfgs}),
             "device_steps": sum(bool(c.get("device_steps")) for c in cfgs),
+            "compiled": sum(bool(c.get("compiled")) for c in cfgs),
         },
         "failures": [{"config": r["config"], "failures": r["failures"]} for r in results if not r["ok"]],
     }

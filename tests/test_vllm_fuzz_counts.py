@@ -29,3 +29,32 @@ def test_forwards_are_a_rank_s_most_over_its_groups_summed_over_ranks():
     samples.append(("kvcanary_steps_total", {"group": "full", "tp_rank": "2"}, 109))
     out = summed(samples)
     assert out["forwards"] == 327 and out["device_forwards"] == 228
+
+
+def test_a_fifth_of_the_draws_run_vllm_compiled_and_the_rest_of_a_seed_s_crossings_stay():
+    """``compiled`` (vLLM's default model execution, torch.compile) is drawn apart from the other
+    features: a seed's crossings are what they were without it, the engine runs eager unless it is set."""
+    import dataclasses
+    import json
+    import os
+    import random
+
+    from kvcanary.faults.vllm_fuzz import ARCHS, draw
+
+    drawn = []
+    for seed in range(40):
+        rng = random.Random(seed)
+        drawn += [draw(rng, seed * 1000 + i, ARCHS) for i in range(5)]
+    share = sum(c.compiled for c in drawn) / len(drawn)
+    assert 0.1 < share < 0.3, share
+    for c in drawn:
+        cfg = c.run_cfg("model")
+        assert cfg["eager"] is (not c.compiled) and ("compiled" in c.name) is c.compiled
+    # the other fields are what the seed drew before ``compiled`` existed (seed 191's run at bd953ae)
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "bench", "results", "vllm_fuzz_seed191_configs6_bd953ae.jsonl")) as fh:
+        recorded = [json.loads(line)["config"] for line in fh if line.startswith('{"config"')]
+    rng = random.Random(191)
+    now = [draw(rng, 191000 + i, ARCHS) for i in range(len(recorded))]
+    assert len(recorded) == 6 and [c.name.replace("-compiled", "") for c in now] == recorded
+    assert any(c.compiled for c in now) and not all(c.compiled for c in now)

@@ -59,6 +59,7 @@ class FuzzConfig:
     # steps built on the device with nothing read back before the forward (the GPU path, on a CPU),
     # the connector's before-forward under the host-sync guard where the engine runs in-process
     device_steps: bool = False
+    compiled: bool = False  # vLLM's default model execution (torch.compile), not --enforce-eager
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -79,6 +80,7 @@ class FuzzConfig:
         parts += [f"abort{self.abort}"] if self.abort else []
         parts += [f"max{self.max_tokens}"] + (["every-byte"] if self.every_byte else [])
         parts += ([f"audit{self.audit}"] if self.audit else []) + (["device"] if self.device_steps else [])
+        parts += ["compiled"] if self.compiled else []
         parts += [f"s{self.seed}"]
         return "-".join(parts)
 
@@ -109,7 +111,7 @@ class FuzzConfig:
             "temperature": 0.8 if self.n > 1 else 0.0, "spec": self.spec, "tensor_parallel": self.tensor_parallel,
             "abort": self.abort, "seed": self.seed, "max_model_len": self.max_model_len,
             "prompts": "repetitive" if self.spec else "text" if self.arch == REAL else "shared",
-            "host_sync_guard": self.device_steps}
+            "host_sync_guard": self.device_steps, "eager": not self.compiled}
         return cfg
 
     @property
@@ -148,8 +150,9 @@ def draw(rng: random.Random, seed: int, archs: tuple[str, ...] = ARCHS) -> FuzzC
         cfg = dataclasses.replace(long, num_blocks=pool_for_preemption(arch, long.block_size, long.max_model_len))
     if cfg.max_batched < 2048:
         cfg = dataclasses.replace(cfg, max_batched=max(cfg.max_batched, cfg.spec + 1 + 16))
-    # drawn apart, so that the other features of a seed's crossings stay what they were before it existed
-    return dataclasses.replace(cfg, device_steps=random.Random(f"device-{seed}").random() < 0.3)
+    # drawn apart, so that the other features of a seed's crossings stay what they were before they existed
+    return dataclasses.replace(cfg, device_steps=random.Random(f"device-{seed}").random() < 0.3,
+                               compiled=random.Random(f"compiled-{seed}").random() < 0.2)
 
 
 def model_path(cfg: FuzzConfig, root: str) -> str:

@@ -292,15 +292,17 @@ def _with_aborts(llm: Any, ps: list[list[int]], sp: Any, after: int) -> tuple[li
 
 
 def _engine(cfg: dict[str, Any], kv_transfer_config: dict[str, Any] | None) -> Any:
-    """The ``vllm.LLM`` of ``cfg``: eager, block size 32 and prefix caching unless ``cfg`` says
-    otherwise, greedy-reproducible (seed 0)."""
+    """The ``vllm.LLM`` of ``cfg``: eager (``cfg["eager"]`` False: vLLM's default, the model compiled
+    by torch.compile), block size 32 and prefix caching unless ``cfg`` says otherwise,
+    greedy-reproducible (seed 0)."""
     from vllm import LLM
 
     spec = None
     if cfg.get("spec"):
         spec = {"method": "ngram", "num_speculative_tokens": int(cfg["spec"]), "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}
-    return LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg.get("dtype", "float32"),
+    return LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=cfg.get("eager", True),
+               dtype=cfg.get("dtype", "float32"),
                block_size=cfg.get("block_size", 32), enable_prefix_caching=cfg.get("prefix_caching", True),
                num_gpu_blocks_override=cfg.get("num_blocks", 64), speculative_config=spec,
                max_num_batched_tokens=cfg.get("max_batched", 2048), max_num_seqs=cfg.get("max_seqs", 16),
