@@ -1,7 +1,8 @@
 """A few fixed crossings of the randomized vLLM clean fuzz (bench/vllm_fuzz.py runs the long draw):
 each runs without the canary (twice where vLLM is not deterministic) and with it in raise mode, and
 must show zero violations, zero internal errors, the same KV cache groups and blocks, the same
-greedy tokens where vLLM is deterministic, and the engine events it claims. One crossing runs on the
+greedy tokens where vLLM is deterministic, and the engine events it claims. One crossing runs the
+model compiled (vLLM's default), the others eager. One crossing runs on the
 trained model (SmolLM2-135M-Instruct in bf16, real text prompts; converted once by the checkout's
 .venv interpreter, or KVCANARY_REAL_PYTHON's, where kvcanary's cache does not hold it yet)."""
 
@@ -11,10 +12,11 @@ from kvcanary.faults.vllm_fuzz import REAL, FuzzConfig, pool_for_preemption, run
 
 CROSSINGS = [
     # sliding + full groups, bf16, vec16 kernels, a prefix off the block boundary, chunked prefill,
-    # a pool that preempts, ngram drafts
+    # a pool that preempts, ngram drafts, and the model compiled by torch.compile (vLLM's default; the
+    # other crossings run --enforce-eager, whose engines start faster)
     FuzzConfig(arch="gemma2", dtype="bfloat16", head_dim=80, block_size=64, prefix=80, max_batched=48,
                num_blocks=pool_for_preemption("gemma2", 64, 256), requests=8, max_seqs=8, max_tokens=96, spec=3,
-               seed=11),
+               compiled=True, seed=11),
     # full attention, block size 128, parallel sampling, aborts, every read byte verified, no prefix cache
     FuzzConfig(arch="qwen3", head_dim=112, block_size=128, prefix=128, prefix_caching=False, n=2, abort=4,
                requests=8, max_tokens=48, every_byte=True, seed=12),
