@@ -3,9 +3,11 @@ per layer call, for the per-layer stages) and its share of the canary's time, st
 connector calls them, on the trained model (default) or the tiny random one.
 
     .venv-vllm/bin/python bench/vllm_stages.py [--model real|tiny] [--threads 1] [--runs 2] [--set KVCANARY_X=V ...]
-        [--fine]
+        [--fine] [--compiled]
 
-Each run is an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) in a fresh process, with the
+Each run is an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) in a fresh process, eager
+(``--enforce-eager``) unless ``--compiled`` gives it vLLM's default (the model compiled by
+torch.compile; the compile is part of the engine start, not timed), with the
 connector's default configuration: the workload of ``bench/vllm_cpu.py`` (``real``: SmolLM2-135M-Instruct
 in bf16, 16 chat requests, 64 new tokens each; a 4-request warm-up generate is left out). A stage's
 time includes its callees; the worker-side hooks and the per-layer checks together are the canary's
@@ -197,6 +199,8 @@ def main() -> int:
                     help="a configuration variable of the runs (default: none, the default configuration)")
     ap.add_argument("--fine", action="store_true",
                     help="also time the hooks' parts (FINE), printed after the stages; each timed call adds its own")
+    ap.add_argument("--compiled", action="store_true",
+                    help="vLLM's default model execution (torch.compile) instead of --enforce-eager")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -220,7 +224,7 @@ def main() -> int:
             model, extra, name = save_tiny_llama(tmp, layers=4, hidden=256, heads=4, kv_heads=2,
                                                  intermediate=768), {}, "llama layers=4 hidden=256"
         cfg = {"model": model, "canary": True, "requests": ns.requests, "max_tokens": 64 if args.model == "real"
-               else 96, "max_seqs": 16, "num_blocks": 256, "warmup": 4, **extra}
+               else 96, "max_seqs": 16, "num_blocks": 256, "warmup": 4, "eager": not args.compiled, **extra}
         bad = [kv for kv in args.set if not kv.startswith("KVCANARY_") or "=" not in kv]
         if bad:
             ap.error(f"--set: expected KVCANARY_NAME=VALUE, got {', '.join(bad)}")
@@ -231,7 +235,7 @@ def main() -> int:
     calls = {s: sum(r["calls"].get(s, 0) for r in runs) for _, _, _, s in shown}
     total = sum(spent[s] for s in CANARY)
     print(f"vLLM CPU, {name}, {ns.requests} requests, OMP_NUM_THREADS={args.threads}, {args.runs} runs, "
-          f"{forwards} timed forwards")
+          f"{forwards} timed forwards, {'compiled (torch.compile)' if args.compiled else 'eager'}")
     for i, (_, _, _, stage) in enumerate(shown):
         if i == len(STAGES):
             print("the hooks' parts (--fine; each nested in the stage above that calls it):")
@@ -246,7 +250,7 @@ def main() -> int:
                       "forward_ms": round(1e3 * wall / max(st["forwards"], 1), 2),
                       "content_MiB_per_forward": round((st["content_bytes_verified"] + st["content_bytes_stamped"])
                                                        / 2**20 / max(st["forwards"], 1), 3),
-                      "threads": args.threads, "set": args.set}))
+                      "threads": args.threads, "set": args.set, "compiled": args.compiled}))
     return 0
 
 
