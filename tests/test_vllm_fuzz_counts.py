@@ -58,3 +58,21 @@ def test_a_fifth_of_the_draws_run_vllm_compiled_and_the_rest_of_a_seed_s_crossin
     now = [draw(rng, 191000 + i, ARCHS) for i in range(len(recorded))]
     assert len(recorded) == 6 and [c.name.replace("-compiled", "") for c in now] == recorded
     assert any(c.compiled for c in now) and not all(c.compiled for c in now)
+
+
+def test_a_crossing_whose_engine_ran_otherwise_than_it_says_fails():
+    """The fuzz judges each run's compilation mode (as the runner reads it from vLLM's configuration)
+    against the crossing: a compiled crossing whose engine ran eager, or the other way round, fails."""
+    from kvcanary.faults.vllm_fuzz import FuzzConfig, judge
+
+    def runs(mode):
+        same = {"kv_cache": {"groups": 1}, "tokens": {"0": [1, 2]}, "events": {}, "compilation": mode}
+        return {"off": dict(same), "on": {**same, "stats": {"slots_verified": 4, "forwards": 2}}}
+
+    compiled, eager = FuzzConfig(compiled=True, max_tokens=2), FuzzConfig(max_tokens=2)
+    assert judge(compiled, runs("VLLM_COMPILE"), [])["ok"] and judge(eager, runs("NONE"), [])["ok"]
+    for cfg, mode in ((compiled, "NONE"), (eager, "VLLM_COMPILE")):
+        res = judge(cfg, runs(mode), [])
+        assert not res["ok"] and len(res["failures"]) == 2, res["failures"]  # the run without and the run with
+        assert all("compilation mode" in f for f in res["failures"]), res["failures"]
+    assert judge(compiled, runs(None), [])["ok"]  # a runner that says nothing is not judged on it

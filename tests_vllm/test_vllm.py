@@ -42,6 +42,7 @@ def plain(tiny_llama):
 def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, plain, cfg):
     base = plain if not cfg else engine(tiny_llama, **cfg)
     run = engine(tiny_llama, canary=True, full_scrub=True, **cfg)
+    assert run["compilation"] == base["compilation"] == "NONE"  # eager, as asked (the runner's default)
     st = run["stats"]
     assert run["violations"] == [] and st["internal_errors"] == 0
     # the stamps' content, folded layer by layer inside the forward (every forward after the first,
@@ -68,10 +69,13 @@ def test_a_wrong_write_in_a_layer_the_budget_leaves_unchecked_is_found_by_the_co
     every layer), with the default time budget, under which the tiny model's canary checks one of its
     two layers' writes a forward: forwards that check the first layer report WRITE_CONTENT at the
     write; in the others its new tokens' fingerprints are folded from the rows it computed, so the
-    next forward's content verify (every read byte here) finds the zeros as CONTENT."""
-    run = engine(tiny_llama, canary=True, fault="kernel_write_zeros", fault_at=12,
+    next forward's content verify (every read byte here) finds the zeros as CONTENT. The model runs
+    compiled by torch.compile (vLLM's default; the other runs here are eager), so the patched
+    attention, the write check and the fold are shown to run inside a compiled model too."""
+    run = engine(tiny_llama, canary=True, fault="kernel_write_zeros", fault_at=12, eager=False,
                  env={"KVCANARY_CONTENT_BUDGET_BYTES": "none", "KVCANARY_MODE": "log"})
     st = run["stats"]
+    assert run["compilation"] not in ("NONE", "unknown"), run["compilation"]  # vLLM did compile the model
     assert st["internal_errors"] == 0 and st["write_slots_unchecked"] > 0, st
     checks = {c for v in run["violations"] for c in v["checks"]}
     assert {"WRITE_CONTENT", "CONTENT"} <= checks, checks

@@ -243,6 +243,12 @@ def judge(cfg: FuzzConfig, runs: dict[str, Any], logged: list[dict[str, Any]]) -
         failures.append(f"{out['internal_errors']} internal errors")
     if "error" not in on and not out["slots_verified"] and cfg.max_tokens > 1:
         failures.append("the canary verified nothing")
+    out["compilation"] = on.get("compilation")
+    for label, r in runs.items():  # each run as the crossing says: the model compiled, or eager (NONE)
+        got = r.get("compilation")
+        if "error" not in r and got is not None and (got == "NONE") == cfg.compiled:
+            failures.append(f"{label} run: vLLM's compilation mode {got}, the crossing says "
+                            f"{'compiled' if cfg.compiled else 'eager'}")
     out["device_forwards"] = st.get("device_forwards", 0)
     if "error" not in on and cfg.device_steps and out["device_forwards"] < out["forwards"]:
         failures.append(f"device steps: {out['device_forwards']} of {out['forwards']} forwards built on the device")

@@ -181,9 +181,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ``events`` (:data:`kvcanary.engines.vllm.events.EVENTS` counted during the run; ``preemptions``
     is also at the top level), ``kv_cache`` (the engine's KV cache groups and blocks, in-process
     engines), ``generate_s`` (the timed generate call) and ``generate_cpu_s`` (its CPU seconds, every
-    thread of the process: on a shared machine, what another tenant's load does not add), ``tokens_generated``, ``threads`` (torch's
-    intra-op threads after the run) and, under the canary of an in-process engine, ``stats`` and
-    ``violations`` (the first 200, with ``text``), the compiled-loop signatures the run added to the
+    thread of the process: on a shared machine, what another tenant's load does not add),
+    ``tokens_generated``, ``threads`` (torch's intra-op threads after the run), ``compilation``
+    (vLLM's compilation mode, ``NONE``: eager) and, under the canary of an in-process engine,
+    ``stats`` and ``violations`` (the first 200, with ``text``), the compiled-loop signatures the run added to the
     warm-up's (``loop_signatures_added``, by name), and the injected fault's ``fault`` detail
     (``step``: the canary step it landed in). A multiprocess engine
     (``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment) keeps its canaries and faults in its
@@ -242,7 +243,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": tokens, "finish": finish, "events": dict(events), "preemptions": events["preemptions"],
                            "kv_cache": vllm_events.kv_cache_layout(llm), "generate_s": wall, "generate_cpu_s": cpu,
                            "tokens_generated": sum(len(t) for t in tokens.values()),
-                           "threads": torch.get_num_threads()}
+                           "threads": torch.get_num_threads(), "compilation": _compilation(llm)}
     if canary is not None:
         out["stats"] = {k: v if k in LEVELS else v - before.get(k, 0) for k, v in canary.stats().items()}
         out["violations"] = [{**v.to_dict(), "text": v.describe()} for v in canary.violations[:200]]
@@ -289,6 +290,19 @@ def _with_aborts(llm: Any, ps: list[list[int]], sp: Any, after: int) -> tuple[li
         if k > after and not eng.has_unfinished_requests():
             break
     return done, time.perf_counter() - t0
+
+
+def _compilation(llm: Any) -> str:
+    """How the engine runs its model, as vLLM's configuration says: its compilation mode's name
+    (``NONE``: eager), or ``"unknown"``."""
+    try:
+        c = llm.llm_engine.vllm_config.compilation_config
+        mode = getattr(c, "mode", None)
+        if mode is None:
+            mode = getattr(c, "level", None)
+        return str(getattr(mode, "name", mode))
+    except Exception:  # noqa: BLE001 - another vLLM's configuration: said, not guessed
+        return "unknown"
 
 
 def _engine(cfg: dict[str, Any], kv_transfer_config: dict[str, Any] | None) -> Any:
