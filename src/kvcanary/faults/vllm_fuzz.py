@@ -246,7 +246,7 @@ def judge(cfg: FuzzConfig, runs: dict[str, Any], logged: list[dict[str, Any]]) -
     out["compilation"] = on.get("compilation")
     for label, r in runs.items():  # each run as the crossing says: the model compiled, or eager (NONE)
         got = r.get("compilation")
-        if "error" not in r and got is not None and (got == "NONE") == cfg.compiled:
+        if "error" not in r and got not in (None, "unknown") and (got == "NONE") == cfg.compiled:
             failures.append(f"{label} run: vLLM's compilation mode {got}, the crossing says "
                             f"{'compiled' if cfg.compiled else 'eager'}")
     out["device_forwards"] = st.get("device_forwards", 0)
