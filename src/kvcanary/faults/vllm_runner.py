@@ -184,9 +184,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     thread of the process: on a shared machine, what another tenant's load does not add),
     ``tokens_generated``, ``threads`` (torch's intra-op threads after the run), ``compilation``
     (vLLM's compilation mode, ``NONE``: eager) and, under the canary of an in-process engine,
-    ``stats`` and ``violations`` (the first 200, with ``text``), the compiled-loop signatures the run added to the
-    warm-up's (``loop_signatures_added``, by name), and the injected fault's ``fault`` detail
-    (``step``: the canary step it landed in). A multiprocess engine
+    ``stats`` and ``violations`` (the first 200, with ``text``), the compiled-loop signatures the run
+    added to the warm-up's (``loop_signatures_added``, by name), and the injected fault's ``fault``
+    detail (``step``: the canary step it landed in). A multiprocess engine
     (``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment) keeps its canaries and faults in its
     worker processes: read them from ``KVCANARY_VIOLATIONS_LOG`` and the metrics.
     """
@@ -300,7 +300,7 @@ def _compilation(llm: Any) -> str:
         mode = getattr(c, "mode", None)
         if mode is None:
             mode = getattr(c, "level", None)
-        return str(getattr(mode, "name", mode))
+        return "unknown" if mode is None else str(getattr(mode, "name", mode))
     except Exception:  # noqa: BLE001 - another vLLM's configuration: said, not guessed
         return "unknown"
 
