@@ -243,7 +243,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": tokens, "finish": finish, "events": dict(events), "preemptions": events["preemptions"],
                            "kv_cache": vllm_events.kv_cache_layout(llm), "generate_s": wall, "generate_cpu_s": cpu,
                            "tokens_generated": sum(len(t) for t in tokens.values()),
-                           "threads": torch.get_num_threads(), "compilation": _compilation(llm)}
+                           "threads": torch.get_num_threads(), "compilation": vllm_events.compilation(llm)}
     if canary is not None:
         out["stats"] = {k: v if k in LEVELS else v - before.get(k, 0) for k, v in canary.stats().items()}
         out["violations"] = [{**v.to_dict(), "text": v.describe()} for v in canary.violations[:200]]
@@ -290,19 +290,6 @@ def _with_aborts(llm: Any, ps: list[list[int]], sp: Any, after: int) -> tuple[li
         if k > after and not eng.has_unfinished_requests():
             break
     return done, time.perf_counter() - t0
-
-
-def _compilation(llm: Any) -> str:
-    """How the engine runs its model, as vLLM's configuration says: its compilation mode's name
-    (``NONE``: eager), or ``"unknown"``."""
-    try:
-        c = llm.llm_engine.vllm_config.compilation_config
-        mode = getattr(c, "mode", None)
-        if mode is None:
-            mode = getattr(c, "level", None)
-        return "unknown" if mode is None else str(getattr(mode, "name", mode))
-    except Exception:  # noqa: BLE001 - another vLLM's configuration: said, not guessed
-        return "unknown"
 
 
 def _engine(cfg: dict[str, Any], kv_transfer_config: dict[str, Any] | None) -> Any:

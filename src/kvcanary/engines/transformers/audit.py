@@ -187,11 +187,13 @@ class CbAudit(EngineAudit):
     def attended(self, module: Any, query: torch.Tensor, out: Any) -> None:
         """After the attention of one layer (the engine's own, ``out`` its result): this layer's checks
         (or what they need after the forward), their seconds charged."""
-        if self.fa is None or (self._deferred and module.layer_idx not in self.plans):
+        if self.fa is None:
+            return
+        layer = module.layer_idx  # every audited module has one (Protection registers it by it)
+        if self._deferred and layer not in self.plans:
             return  # nothing of this layer's kept (most layers of a decode forward): no timer either
         t0 = time.perf_counter()
         try:
-            layer = module.layer_idx
             if self._deferred:  # references only: the checks run after the forward
                 self.qstash[layer] = (query, out[0], False)
             elif self.fused:

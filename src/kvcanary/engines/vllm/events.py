@@ -1,7 +1,9 @@
 """Counting what a vLLM engine of this process did that matters to the canary, so a clean run can
 assert that the events it claims to exercise really happened: preemptions, speculative drafts
 scheduled, accepted and rejected, blocks a sliding window freed and blocks handed out again after
-that. :func:`watch` wraps the scheduler's own methods (once per process, before the engine starts).
+that. :func:`watch` wraps the scheduler's own methods (once per process, before the engine starts);
+:func:`kv_cache_layout` and :func:`compilation` read what an engine built (its KV cache groups and
+pool, whether its model runs compiled).
 
 A multiprocess engine schedules in its engine-core process: with ``KVCANARY_EVENTS_FILE=PATH`` set,
 kvcanary's vLLM plugin watches in every vLLM process and each writes its counts to ``PATH.<pid>``
@@ -81,6 +83,19 @@ def kv_cache_layout(llm: Any) -> dict[str, Any] | None:
     groups = [{"spec": type(g.kv_cache_spec).__name__, "block_size": int(g.kv_cache_spec.block_size),
                "layers": list(g.layer_names)} for g in cfg.kv_cache_groups]
     return {"groups": groups, "num_blocks": int(cfg.num_blocks)}
+
+
+def compilation(llm: Any) -> str:
+    """How the engine runs its model, as its vLLM configuration says: the compilation mode's name
+    (``NONE``: eager, ``--enforce-eager``), or ``"unknown"`` where the configuration does not say."""
+    try:
+        c = llm.llm_engine.vllm_config.compilation_config
+    except AttributeError:
+        return "unknown"
+    mode = getattr(c, "mode", None)
+    if mode is None:
+        mode = getattr(c, "level", None)
+    return "unknown" if mode is None else str(getattr(mode, "name", mode))
 
 
 def record_to(path: str) -> None:
