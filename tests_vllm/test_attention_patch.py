@@ -88,7 +88,8 @@ def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch)
     runs, by_name = [], []
 
     class Wide:
-        base = SimpleNamespace(by_layer={})
+        by_layer: dict = {}
+        base = SimpleNamespace(by_layer=by_layer)
         audit = object()
 
     def attend(audit, plan, row, t0, original, *args):

@@ -67,6 +67,9 @@ class EngineAudit:
         self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
         self._tokens: tuple[np.ndarray, torch.Tensor] | None = None  # 0 .. n-1 on the host and the device, grown
         self.write_rows: bytes | None = None  # this forward's write-checked layer positions (1), None: every layer
+        # seconds the adapter's per-layer direct paths spent in this forward, added up there in one list
+        # (touching the audit and the adapter inside every layer costs more) and settled after it (settle)
+        self.clock = [0.0]
 
     # ---- planning a forward (host) ------------------------------------------------------------
 
@@ -238,11 +241,21 @@ class EngineAudit:
         """The audit failed inside a forward: this forward's audit is dropped (no stamp depends on
         it), the failure counted or, in ``raise`` mode, raised."""
         self.fa = None
+        self.settle()
         self.auditor.failed(self.adapter, e)
 
     def planned(self, t0: float) -> None:
         """The forward's audit planned (since ``t0``): the planning's seconds are the budget's too."""
         self.spent += time.perf_counter() - t0
+
+    def settle(self) -> float:
+        """The seconds the per-layer direct paths added to ``clock`` since the last call: charged as
+        :meth:`charge` does (the adapter's canary time, and the budget's), and returned."""
+        dt = self.clock[0]
+        if dt:
+            self.clock[0] = 0.0
+            self.charge(dt)
+        return dt
 
     def charge(self, seconds: float) -> None:
         """Seconds the audit spent inside the forward: the adapter's canary time, and the budget's."""
@@ -252,6 +265,7 @@ class EngineAudit:
     def end(self) -> None:
         """After the forward: the budget learns what the canary cost since the last forward's end (its
         every check, this forward's audit among them) against the wall time since then."""
+        self.settle()
         now, canary = time.perf_counter(), float(getattr(self.adapter, "seconds", 0.0))
         if self.fa is not None and self._opened:
             last = self._last

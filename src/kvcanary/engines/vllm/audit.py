@@ -75,7 +75,7 @@ def install() -> None:
         plan = ACTIVE[0]
         if (plan is not None and attn_metadata is not None and output_scale is None and output_block_scale is None
                 and not args and not kwargs and not TAPS):
-            got = plan.base.by_layer.get(layer)
+            got = plan.by_layer.get(layer)
             if got is not None:  # a layer this forward's plan has seen: its engine's, checked as planned
                 return wide.attend(plan.audit, plan, got, t0, _ORIGINAL["forward"], impl, layer, query, key, value,
                                    kv_cache, attn_metadata, output)
@@ -294,6 +294,7 @@ class VllmAudit(EngineAudit):
         """After the forward: the audited queries of every layer kept for it, in one compiled call."""
         plan = self._wide
         self._unset()
+        self.settle()  # the layers' seconds
         if plan is None or self.fa is None:
             return
         t0 = time.perf_counter()

@@ -30,6 +30,7 @@ class Planner(Protocol):
     write_tokens: np.ndarray | None  # this forward's write-checked tokens
     fa: Any  # this forward's audit state
     one_call: int  # forwards checked in one call after them
+    clock: list[float]  # the per-layer direct paths' seconds this forward (settled after it)
 
     def count_writes(self, layers: int, tokens: int, token_bytes: int) -> None: ...
 
@@ -100,6 +101,8 @@ class WideForward:
         self.width = width
         self._seen = bytearray(len(names))  # the layer rows seen this forward (a second sight voids the folds)
         self.audit: Any = None  # the audit that planned it (plan)
+        self.by_layer = base.by_layer  # the layers seen, by their module (the attention patch's direct path)
+        self.clock = [0.0]  # the seconds of the per-layer work, the audit's clock (plan)
         self.live = True  # until the audit withdraws it (the forward's end, or a failure of the canary's own)
         self._tables()
 
@@ -123,6 +126,7 @@ class WideForward:
         fl = np.concatenate([base.fl, np.asarray(sinks, dtype=np.float64)]) if sinks else base.fl
         wide = cls(base, steps, qt, fl, toks, fold)
         wide.audit = audit
+        wide.clock = audit.clock
         wide.write = audit.write_tokens is not None
         if wide.write:
             rows = audit.write_rows
@@ -234,9 +238,10 @@ def attend(audit: Any, plan: WideForward | None, got: tuple[int, Any] | None, t0
             after = plan.before(got, query, key, value, md, output)
         except Exception as e:
             audit.failed(e)
-    dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
-    audit.adapter.seconds += dt
-    audit.spent += dt
+    # charged on the plan's clock (the audit's, settled after the forward): this runs 30 times a forward,
+    # where each object touched is a cache miss
+    clock = plan.clock if plan is not None else audit.clock
+    clock[0] += time.perf_counter() - t0
     # the engine's extra arguments passed on only where it gave some (packing none costs, 30 times a forward)
     out = (original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs) if args or kwargs
            else original(impl, layer, query, key, value, kv_cache, md, output))
@@ -251,5 +256,5 @@ def attend(audit: Any, plan: WideForward | None, got: tuple[int, Any] | None, t0
             audit.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
     except Exception as e:
         audit.failed(e)
-    audit.charge(time.perf_counter() - t0)
+    clock[0] += time.perf_counter() - t0
     return out
