@@ -7,8 +7,9 @@ decode-heavy; ``--model real``: SmolLM2-135M-Instruct (:mod:`kvcanary.real_model
     python bench/transformers_stages.py [--model tiny|real] [--threads 1] [--runs 3] [--backend fused] [--fine]
 
 A stage's time includes its callees (a canary hook includes its compiled call); the two hook totals
-are the canary's time but for what it does inside each layer (looking the layer's protection up and
-taking references to its tensors, twice a layer), which the line "inside the layers" gives (the
+are the canary's time but for what it does inside each layer (taking references to its K and V in
+the cache update, and passing the attention on or keeping its audited rows, twice a layer: the
+direct paths of :mod:`kvcanary.engines.transformers.hooks`), which the line "inside the layers" gives (the
 canary's own count of it, ``layer_seconds`` of its audit). The last line's ``canary_us_per_forward`` and
 ``canary_share_of_run`` are the canary's own counter (``canary_us`` of its stats: the hooks and the
 per-layer work), ``hooks_us_per_forward`` the two hooks' sum as timed here; shares are of the

@@ -480,9 +480,20 @@ def test_a_padded_batch_reports_padding_writes_into_live_kv_only(llama):
     assert v.slot == 9 and v.checks == Check.PADDING_WRITE
 
 
+class _NoDirectPath(list):
+    """``hooks.KEEP`` that never holds a forward: every cache update looks its protection up."""
+
+    def __getitem__(self, i):
+        return None
+
+    def __setitem__(self, i, v):
+        pass
+
+
 def test_the_per_layer_hooks_time_is_the_canarys(llama, monkeypatch):
-    """Each layer's cache update looks its protection up and keeps references to the layer's K and V:
-    that time is the canary's, in its ``canary_us`` (here made 20 ms longer a call, so it shows)."""
+    """Where the cache update looks its protection up (here every forward's, the direct path off),
+    that lookup and the references to the layer's K and V are the canary's time, in its
+    ``canary_us`` (here made 20 ms longer a call, so it shows)."""
     import time
 
     from kvcanary.engines.transformers import hooks
@@ -498,11 +509,50 @@ def test_the_per_layer_hooks_time_is_the_canarys(llama, monkeypatch):
     def run():
         return generate(llama, prompts(4), CanaryConfig(mode="raise"), max_new_tokens=4)[1].stats()["canary_us"]
 
+    monkeypatch.setattr(hooks, "KEEP", _NoDirectPath([None]))
     run()  # warm
     base = run()
     monkeypatch.setattr(hooks, "_by_tensor", slow)
     slowed = run()
     assert calls and slowed - base >= 0.9 * 0.02e6 * len(calls)
+
+
+def test_the_direct_paths_time_is_the_canarys_and_it_takes_every_layers_references(llama, monkeypatch):
+    """A decode-sized forward keeps every layer's K and V for the write check after it: the cache
+    update takes them directly (no protection looked up), and that time is the canary's too (each
+    reference made 20 ms slower here); the write check reads them (every layer's writes checked)."""
+    import time
+
+    from kvcanary.engines.transformers import audit as cb_audit
+    from kvcanary.engines.transformers import hooks
+
+    calls, lookups = [], []
+
+    class Slow(dict):
+        def __setitem__(self, k, v):
+            calls.append(k)
+            time.sleep(0.02)
+            super().__setitem__(k, v)
+
+    def run():
+        return generate(llama, prompts(4), CanaryConfig(mode="raise"), max_new_tokens=4)[1].stats()
+
+    run()  # warm
+    base = run()["canary_us"]
+    made = cb_audit.CbAudit.__init__
+
+    def init(self, prot):
+        made(self, prot)
+        self.stash = Slow()
+
+    real = hooks._by_tensor
+    monkeypatch.setattr(cb_audit.CbAudit, "__init__", init)
+    monkeypatch.setattr(hooks, "_by_tensor", lambda t: lookups.append(1) or real(t))
+    st = run()
+    assert calls and st["canary_us"] - base >= 0.9 * 0.02e6 * len(calls)
+    assert len(lookups) < len(calls)  # most layers' references were taken directly
+    layers = llama.config.num_hidden_layers
+    assert st["write_slots_checked"] > 0 and len(calls) % layers == 0
 
 
 def test_a_cache_tensors_protection_is_remembered_until_it_changes(llama):

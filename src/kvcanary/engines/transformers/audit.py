@@ -34,6 +34,7 @@ from kvcanary.audit.records import LayerPlan, plan_layers
 from kvcanary.audit.tables import (PTR_K, PTR_O, PTR_Q, PTR_V, Q_HEAD, Q_LAYER, Q_TOKEN, S_K, S_O, S_Q, S_V,
                                    STRIDE_COLUMNS, floats, query_table, strides)
 from kvcanary.engines.audit import NO_QUERIES, EngineAudit
+from kvcanary.engines.transformers import hooks
 
 log = logging.getLogger("kvcanary")
 Tap = Callable[..., Any]
@@ -90,10 +91,14 @@ class CbAudit(EngineAudit):
     def begin(self, steps: dict[str, Any], reqs: list, batch: dict, forwards: int) -> None:
         """Plan this forward's write checks and audited queries (host work from the requests' lengths)."""
         t0 = time.perf_counter()
+        self.stop_keeping()
         self.fa, self.plans, self._qt, self._fl = None, {}, None, None
         self.write_tokens = self.write_index = None
         self.stash.clear()
         self.qstash.clear()
+        ids = {layer: id(m) for layer, m in self.modules.items()} if "attention" not in self.taps else {}
+        if ids:  # no audit this forward, unless planned below: every layer's attention straight to the engine
+            hooks.PASS[0] = (set(ids.values()), self.clock)
         if not steps or not self._order or not self.due(forwards):
             return
         if batch.get("block_table") is not None:
@@ -119,7 +124,25 @@ class CbAudit(EngineAudit):
         self.start(forwards, cu, past, {name: st.new_slots for name, st in steps.items()}, queries, self._dev,
                    host=self.fused)
         self.pick_writes(total, self._dev)
+        cache = getattr(self.adapter, "cache", None)
+        if self._deferred and self.write_tokens is not None and "update" not in self.taps and cache is not None:
+            hooks.KEEP[0] = (cache.cache_tensor, self.stash, self.clock)  # every layer's K and V, kept directly
+        if ids and self._deferred:  # the layers of the audited queries wrapped: their query and output kept
+            hooks.PASS[0] = ({i for layer, i in ids.items() if layer not in self.plans}, self.clock)
+        elif ids:  # a large forward: every layer's checks as it goes
+            hooks.PASS[0] = None
         self.planned(t0)
+
+    def stop_keeping(self) -> None:
+        """The cache update's and the attention wrapper's direct paths off (where they are this
+        audit's), and their seconds settled (the canary's, the budget's and the per-layer hooks' count)."""
+        keep = hooks.KEEP[0]
+        if keep is not None and keep[1] is self.stash:
+            hooks.KEEP[0] = None
+        skip = hooks.PASS[0]
+        if skip is not None and skip[1] is self.clock:
+            hooks.PASS[0] = None
+        self.layer_seconds += self.settle()
 
     def _plan_fused(self, queries: list[Any]) -> None:
         """The compiled loop's query table and floats (:mod:`kvcanary.audit.tables`)."""
@@ -141,6 +164,7 @@ class CbAudit(EngineAudit):
 
     def finish(self) -> None:
         """After the forward: the checks kept for it (the compiled loop), in one call."""
+        self.stop_keeping()
         if self.fa is None or not self.fused:
             return
         t0 = time.perf_counter()
@@ -155,12 +179,14 @@ class CbAudit(EngineAudit):
             self.spent += time.perf_counter() - t0  # inside the after-forward hook, which counts its time
 
     def end(self) -> None:
+        self.stop_keeping()
         super().end()
         self.stash.clear()
         self.qstash.clear()
         self.steps = {}
 
     def failed(self, e: Exception) -> None:
+        self.stop_keeping()
         self.stash.clear()
         self.qstash.clear()
         super().failed(e)

@@ -122,6 +122,7 @@ class Protection(SchedulerSide, TransferSide, Adapter):
             cb_hooks.ACTIVE.pop(id(self.model))
         for key in [k for k, a in cb_hooks.AUDITED.items() if a is self.audit]:
             del cb_hooks.AUDITED[key]
+        self.audit.stop_keeping()
         if self.cache is not None:
             cb_hooks.protect_cache(self.cache.cache_tensor, None)
             cb_hooks.BY_POOL.pop(id(self.cache.pool), None)
