@@ -57,6 +57,7 @@ class CbAudit(EngineAudit):
         self.layer_group: dict[int, Any] = {}
         self.plans: dict[int, LayerPlan | None] = {}
         self.modules: dict[int, Any] = {}  # layer index -> its attention module
+        self._module_ids: dict[int, int] = {}  # layer index -> the id of its attention module (hooks.PASS)
         self.taps: dict[str, Tap] = {}
         self.skipped = 0  # forwards of the decode fast path, not audited
         self.layer_seconds = 0.0  # the per-layer hooks' share of the canary's seconds
@@ -96,7 +97,9 @@ class CbAudit(EngineAudit):
         self.write_tokens = self.write_index = None
         self.stash.clear()
         self.qstash.clear()
-        ids = {layer: id(m) for layer, m in self.modules.items()} if "attention" not in self.taps else {}
+        if len(self._module_ids) != len(self.modules):  # the modules are registered once, on entry
+            self._module_ids = {layer: id(m) for layer, m in self.modules.items()}
+        ids = self._module_ids if "attention" not in self.taps else {}
         if ids:  # no audit this forward, unless planned below: every layer's attention straight to the engine
             hooks.PASS[0] = (set(ids.values()), self.clock)
         if not steps or not self._order or not self.due(forwards):
