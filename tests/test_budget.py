@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvcanary.audit.auditor import Auditor
-from kvcanary.audit.budget import FOCUS, WARM, QueryBudget, shape_class
+from kvcanary.audit.budget import AUDIT_ROUNDS, FOCUS, WARM, QueryBudget, shape_class
 
 
 def test_new_situations_get_the_full_count_and_known_ones_follow_the_time_budget():
@@ -27,7 +27,7 @@ def test_new_situations_get_the_full_count_and_known_ones_follow_the_time_budget
         n = b.plan("prefill")
         after.append(n)
         b.observe(n, n * 10e-6, 10e-3)
-    assert after[0] == 1 and after[-1] == 10 and sum(after) < 10 * len(after) - 40
+    assert after[0] == 0 and after[-1] == 10 and sum(after) < 10 * len(after) - 40
 
 
 def test_over_a_run_the_audit_keeps_to_its_share_despite_new_situations():
@@ -41,14 +41,37 @@ def test_over_a_run_the_audit_keeps_to_its_share_despite_new_situations():
     assert spent / total <= 0.0105
 
 
-def test_an_audit_dearer_than_its_budget_still_audits_one_query_a_forward():
+def test_an_audit_dearer_than_its_budget_audits_one_query_every_rounds_forwards_at_the_least():
     b = QueryBudget(64, 0.01)
     for _ in range(WARM):
         b.plan(0)
-    for _ in range(5):
+    counts = []
+    for _ in range(4 * AUDIT_ROUNDS):
         n = b.plan(0)
-        b.observe(n, 1e-3, 1e-3)  # the audit costs as much as the forward
-    assert b.plan(0) == 1
+        counts.append(n)
+        b.observe(n, 1e-3 if n else 0.0, 1e-3)  # a query costs as much as the forward
+    # after the first forwards' queries are paid for: one query in every AUDIT_ROUNDS forwards, none between
+    tail = counts[2 * AUDIT_ROUNDS:]
+    assert set(tail) == {0, 1} and sum(tail) == len(tail) // AUDIT_ROUNDS
+    assert all(sum(tail[i:i + AUDIT_ROUNDS]) == 1 for i in range(len(tail) - AUDIT_ROUNDS + 1))
+    assert b.stats()["audit_forwards_without_queries"] >= len(tail) - len(tail) // AUDIT_ROUNDS
+    assert b.write_layers(30)[1] == math.ceil(30 / 8)  # the fewest layers' writes
+
+
+def test_the_audit_comes_back_when_the_other_checks_leave_room_again():
+    b = QueryBudget(64, 0.01)
+    for _ in range(WARM):
+        b.plan(0)
+    for _ in range(3 * AUDIT_ROUNDS):  # other checks at 150 % of the share: no queries but the cadence's
+        n = b.plan(0)
+        b.observe(n, n * 10e-6, 10e-3, 150e-6 + n * 10e-6)
+    assert b.count == 0
+    counts = []
+    for _ in range(40):  # other checks at 60 %: the balance is paid back, then 4 queries a forward
+        n = b.plan(0)
+        counts.append(n)
+        b.observe(n, n * 10e-6, 10e-3, 60e-6 + n * 10e-6)
+    assert counts[-1] == 4 and counts[0] <= 1
 
 
 def test_without_a_budget_every_forward_audits_the_configured_count():
@@ -112,11 +135,11 @@ def test_the_budget_is_the_whole_canary_s_share_the_audit_fills_what_its_other_c
         b.observe(n, n * 10e-6, 10e-3, 60e-6 + n * 10e-6)
         shares.append((60e-6 + n * 10e-6) / 10e-3)
     assert counts[-1] == 4 and max(shares[10:]) <= 0.01
-    # other checks above the share: one query a forward, the least the audit takes
+    # other checks above the share: no query on a known-situation forward (but the cadence's)
     for _ in range(5):
         n = b.plan(0)
         b.observe(n, n * 10e-6, 10e-3, 150e-6 + n * 10e-6)
-    assert b.plan(0) == 1
+    assert b.count == 0 and b.plan(0) == 0
 
 
 def test_the_audit_sets_the_canary_s_seconds_since_the_last_forward_against_the_wall_time_since(monkeypatch):
@@ -161,12 +184,12 @@ def test_the_write_check_thins_with_the_query_count_and_covers_every_layer_withi
     for _ in range(WARM):  # warm-up: every layer
         b.plan("decode")
         assert b.write_layers(layers) == (0, layers)
-    # over budget: one query a forward, and the fewest layers, rotating over all of them
+    # over budget: no query a forward but the cadence's, and the fewest layers, rotating over all of them
     seen: list[int] = []
     for _ in range(2 * WRITE_ROUNDS):
         n = b.plan("decode")
         b.observe(n, 1e-3, 10e-3, 5e-3)  # the canary takes half of each forward
-        assert b.count == 1
+        assert b.count == 0
         first, count = b.write_layers(layers)
         assert count == math.ceil(layers / WRITE_ROUNDS)
         seen += [(first + i) % layers for i in range(count)]

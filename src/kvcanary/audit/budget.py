@@ -1,17 +1,19 @@
 """How many queries each forward's read audit recomputes: what the canary's share of the run leaves
 after its other checks, with more where something is new.
 
-Every audited forward gets at least one query. On a forward in a known situation the count follows
-the time budget (``CanaryConfig.audit_budget``, the share of the run's wall time the whole canary may
-take): after each forward the canary's measured seconds since the last one (every check, the write
-check and the audit's queries among them) are set against the wall time since then and kept as a
-balance (what the canary spent over or under its share, saved up to one forward's share, owed up to
-ten), and the next forward audits as many queries as its share and the balance pay for, after the
-canary's other work of the last forward, at the measured seconds per query (at most doubling per
-forward, never above ``CanaryConfig.audit_queries``). The full counts of new situations are paid back
-by smaller counts after them, so over a run the canary keeps to its share wherever its other checks
-and one query a forward fit in it; where they do not, the audit takes one query a forward. A faulty kernel path taken for the first time is where a brief
-fault lives, so a forward in a new situation audits the full ``audit_queries``:
+On a forward in a known situation the count follows the time budget (``CanaryConfig.audit_budget``,
+the share of the run's wall time the whole canary may take): after each forward the canary's
+measured seconds since the last one (every check, the write check and the audit's queries among
+them) are set against the wall time since then and kept as a balance (what the canary spent over or
+under its share, saved up to one forward's share, owed up to ten), and the next forward audits as
+many queries as its share and the balance pay for, after the canary's other work of the last
+forward, at the measured seconds per query (at most doubling per forward, never above
+``CanaryConfig.audit_queries``). The full counts of new situations are paid back by smaller counts
+after them, so over a run the canary keeps to its share wherever its other checks fit in it. Where
+they do not, or where they leave less than one query's time, a known-situation forward audits no
+query, and one query is audited every :data:`AUDIT_ROUNDS` forwards at the least (the audit's
+cadence, counted as ``audit_forwards_without_queries``). A faulty kernel path taken for the first
+time is where a brief fault lives, so a forward in a new situation audits the full ``audit_queries``:
 
 - the first :data:`WARM` audited forwards after start;
 - a forward whose situation key changed: the cache's dtype or pool (a new geometry), and the batch's
@@ -26,15 +28,18 @@ The write check follows the same budget over layers: every layer's writes are ch
 query count is the full ``audit_queries`` (a new situation, the warm-up, no time budget, or a budget
 with room for it); else the share of the layers that the count is of the full count, rotating over
 them, and never fewer than every layer once in :data:`WRITE_ROUNDS` forwards
-(:meth:`QueryBudget.write_layers`). A layer whose writes are not checked in a forward still gets its
-new tokens' content fingerprints, from the K and V the layer computed (where the engine adapter
-folds them inside the layer), so a wrong write there is found by the content verify and the patrol.
+(:meth:`QueryBudget.write_layers`); a forward without queries checks that fewest share. A layer whose
+writes are not checked in a forward still gets its new tokens' content fingerprints, from the K and
+V the layer computed (where the engine adapter folds them inside the layer), so a wrong write there
+is found by the content verify and the patrol. An adapter that does not fold inside the layers
+(transformers) checks every layer's writes on every forward, queries or none.
 
 Coverage bound: with ``n`` queries a forward over ``L`` audited layers, ``R`` rows with new
 tokens and ``H`` heads, the rotation (:meth:`kvcanary.audit.auditor.Auditor.pick`) audits every
-(layer, row) pair of a steady batch within ``ceil(L * R / n)`` forwards, every (layer, row, head)
-triple within ``ceil(L * R * H / n)``, and every (layer, head) pair within ``ceil(L * H / n)`` where
-the batch has at least ``H`` rows.
+(layer, row) pair of a steady batch within ``ceil(L * R / n)`` audited forwards, every (layer, row,
+head) triple within ``ceil(L * R * H / n)``, and every (layer, head) pair within ``ceil(L * H / n)``
+where the batch has at least ``H`` rows; at the cadence's least (one query every
+:data:`AUDIT_ROUNDS` forwards) each audited forward stands for ``AUDIT_ROUNDS`` forwards.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from typing import Hashable
 WARM = 8  # audited forwards after start that audit the full count
 FOCUS = 4  # queries of a request's own in its first decode and its first forward after a prefix hit
 WRITE_ROUNDS = 8  # in a known situation, each layer's writes are checked at least once in this many forwards
+AUDIT_ROUNDS = 8  # in a known situation, at least one query is audited in this many forwards
 GROWTH = 2.0  # the most the count grows from one forward to the next
 _SMOOTH = 0.25  # the weight of the newest forward in the measured seconds per query
 
@@ -61,23 +67,33 @@ class QueryBudget:
     def __init__(self, queries: int, share: float | None) -> None:
         self.queries, self.share = queries, share
         self.audited = 0  # forwards planned so far
-        self.count = queries if share is None else 1  # this forward's count in a known situation
+        self.count = queries if share is None else 1  # the next known-situation forward's count (0: none)
         self.per_query: float | None = None  # the audit's measured seconds per query (smoothed)
         self.balance = 0.0  # seconds the canary spent under (+) or over (-) its share so far, bounded
         self.situation: Hashable = None
         self.new = 0  # forwards audited at the full count because their situation was new
         self.fresh = True  # the last planned forward audits the full count (warm-up or a new situation)
         self.write_turn = 0  # the rotation over layers of the write check (write_layers)
+        self.idle = 0  # known-situation forwards in a row planned without a query
+        self.without = 0  # forwards planned without a query (the budget left none)
 
     def plan(self, situation: Hashable) -> int:
         """This forward's count: the full count where ``situation`` differs from the last forward's or
-        within the first :data:`WARM` forwards, else the count the time budget allows."""
+        within the first :data:`WARM` forwards, else the count the time budget allows (0: none; one
+        where the :data:`AUDIT_ROUNDS` - 1 forwards before it audited none)."""
         fresh = self.audited < WARM or situation != self.situation
         self.situation = situation
         self.audited += 1
         self.fresh = fresh
         n = self.queries if fresh or self.share is None else self.count
         self.new += int(fresh and self.share is not None)
+        if n > 0:
+            self.idle = 0
+        elif self.idle >= AUDIT_ROUNDS - 1:
+            n, self.idle = 1, 0
+        else:
+            self.idle += 1
+            self.without += 1
         return n
 
     def write_layers(self, layers: int) -> tuple[int, int]:
@@ -97,19 +113,26 @@ class QueryBudget:
     def observe(self, queries: int, audit_s: float, forward_s: float, canary_s: float | None = None) -> None:
         """After a forward that audited ``queries`` in ``audit_s`` seconds of the audit's own, over
         ``forward_s`` seconds of wall time in which the canary took ``canary_s`` seconds in all (the
-        audit's among them; ``None``: the audit's only): the next known-situation forward's count."""
-        if self.share is None or queries <= 0 or forward_s <= 0 or audit_s < 0:
+        audit's among them; ``None``: the audit's only): the next known-situation forward's count,
+        0 where the share and the balance do not pay for one query after the canary's other work
+        (a forward without queries: all of its seconds are the other work)."""
+        if self.share is None or forward_s <= 0 or audit_s < 0:
             return
         spent = audit_s if canary_s is None else max(canary_s, audit_s)
-        per = audit_s / queries
-        self.per_query = per if self.per_query is None else (1 - _SMOOTH) * self.per_query + _SMOOTH * per
+        if queries > 0:
+            per = audit_s / queries
+            self.per_query = per if self.per_query is None else (1 - _SMOOTH) * self.per_query + _SMOOTH * per
         allowed = self.share * forward_s
         self.balance = min(max(self.balance + allowed - spent, -10 * allowed), allowed)
-        fits = (allowed + self.balance - (spent - audit_s)) / max(self.per_query, 1e-9)
-        self.count = int(max(1, min(self.queries, fits, GROWTH * max(self.count, 1))))
+        if self.per_query is None:
+            return
+        other = spent - audit_s if queries > 0 else spent
+        fits = (allowed + self.balance - other) / max(self.per_query, 1e-9)
+        self.count = int(max(0, min(self.queries, fits, GROWTH * max(self.count, 1))))
 
     def stats(self) -> dict[str, int]:
-        return {"audit_queries_per_forward": self.count, "audit_forwards_new_situation": self.new}
+        return {"audit_queries_per_forward": self.count, "audit_forwards_new_situation": self.new,
+                "audit_forwards_without_queries": self.without}
 
 
 def shape_class(rows: int, prefill: bool) -> tuple[bool, int]:

@@ -45,8 +45,8 @@ class ForwardAudit:
     """The write checks and audited queries of one forward, until they are drained."""
 
     step: int
-    starts: np.ndarray  # int64 [rows + 1]: where each step row's new tokens start in the batch (host)
-    cached: np.ndarray  # int64 [rows]: each row's tokens cached before this forward (host)
+    starts: np.ndarray | Sequence[int]  # [rows + 1]: where each step row's new tokens start in the batch (host)
+    cached: np.ndarray | Sequence[int]  # [rows]: each row's tokens cached before this forward (host)
     slots: dict[str | None, torch.Tensor]  # each group's slot of each batch token (device), -1: none
     queries: list[Query]
     err: torch.Tensor  # float32 [S]: each query's error, -1 where it did not run

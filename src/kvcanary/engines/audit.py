@@ -33,6 +33,9 @@ from kvcanary.violations import Violation
 
 NO_TOKENS = np.zeros(0, dtype=np.int64)
 NO_QUERIES = np.zeros((0, QUERY_COLUMNS), dtype=np.int64)
+# a forward without queries shares these (of no length, never written): right after an engine's forward
+# each numpy call costs tens of microseconds, which a forward the budget audits no query of need not pay
+_NO_ERR, _NO_SHIFT, _NO_TOL = np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0)
 
 
 class EngineAudit:
@@ -101,7 +104,8 @@ class EngineAudit:
         self.write_tokens = have[0][:total]  # views, read only by the checks
         self.write_index = have[1][:total]
 
-    def sample(self, layers: Sequence[Hashable], lengths: np.ndarray, starts: np.ndarray, cached: np.ndarray,
+    def sample(self, layers: Sequence[Hashable], lengths: np.ndarray | Sequence[int],
+               starts: np.ndarray | Sequence[int], cached: np.ndarray | Sequence[int],
                layer_id: Callable[[Any], int], group_of: Callable[[Any], str | None],
                last_token: Callable[[Any], bool] = lambda layer: False, situation: Hashable = None,
                rids: Sequence[str] | None = None) -> list[Query]:
@@ -110,13 +114,17 @@ class EngineAudit:
         heads), as many as :attr:`budget` gives a forward in ``situation``, and :data:`FOCUS` more
         on each row of ``rids`` (the rows' requests) in a new situation of its own; ``layer_id``: a
         layer's number in the records; ``last_token``: a layer whose queries are its rows' last new
-        tokens (a window group caches only a prefill's last ones)."""
+        tokens (a window group caches only a prefill's last ones). ``lengths``, ``starts`` and
+        ``cached``: arrays or lists (an adapter that has the rows as Python ints passes lists: numpy
+        is not called on a forward without queries)."""
         self._opened, self.spent = time.perf_counter(), 0.0
         count = self.budget.plan(situation)
         focus = self._focus(rids, lengths, cached) if rids is not None else []
+        if count <= 0 and not focus:
+            return []
         out = []
-        for li, r, off, head in self.auditor.pick(list(range(len(layers))), lengths.tolist(), self.heads, count,
-                                                  focus, FOCUS):
+        lens = lengths.tolist() if isinstance(lengths, np.ndarray) else list(lengths)
+        for li, r, off, head in self.auditor.pick(list(range(len(layers))), lens, self.heads, count, focus, FOCUS):
             layer = layers[li]
             if last_token(layer):
                 off = int(lengths[r]) - 1
@@ -124,7 +132,8 @@ class EngineAudit:
                              group_of(layer)))
         return out
 
-    def _focus(self, rids: Sequence[str], lengths: np.ndarray, cached: np.ndarray) -> list[int]:
+    def _focus(self, rids: Sequence[str], lengths: np.ndarray | Sequence[int],
+               cached: np.ndarray | Sequence[int]) -> list[int]:
         """The rows whose request is in a new situation of its own: its first audited forward reads a
         prefix it did not write (``cached`` > 0: a prefix-cache hit), or it decodes (one new token)
         for the first time."""
@@ -144,15 +153,19 @@ class EngineAudit:
             self._stage = {rid: stage[rid] for rid in rids if rid in stage}
         return out
 
-    def start(self, step: int, starts: np.ndarray, cached: np.ndarray, slots: dict[str | None, torch.Tensor],
-              queries: list[Query], device: torch.device, host: bool) -> ForwardAudit:
+    def start(self, step: int, starts: np.ndarray | Sequence[int], cached: np.ndarray | Sequence[int],
+              slots: dict[str | None, torch.Tensor], queries: list[Query], device: torch.device,
+              host: bool) -> ForwardAudit:
         """This forward's audit, its results on the host (``host``: the compiled loop fills them) or
-        on ``device`` (the torch reference)."""
+        on ``device`` (the torch reference). ``starts`` and ``cached`` as :meth:`sample` takes them."""
         s = len(queries)
-        if host:
-            err: Any = np.full(s, -1.0)
-            shift: Any = np.zeros(s, dtype=np.int64)
-            tol: Any = np.zeros(s)
+        err: Any
+        shift: Any
+        tol: Any
+        if host and not s:
+            err, shift, tol = _NO_ERR, _NO_SHIFT, _NO_TOL
+        elif host:
+            err, shift, tol = np.full(s, -1.0), np.zeros(s, dtype=np.int64), np.zeros(s)
         else:
             err, shift = torch.full((s,), -1.0, device=device), torch.zeros(s, dtype=torch.int64, device=device)
             tol = torch.zeros(s, device=device)

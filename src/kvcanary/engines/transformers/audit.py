@@ -22,6 +22,7 @@ its forwards are counted apart (``audit_forwards_skipped``) and said once.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any, Callable
@@ -109,14 +110,15 @@ class CbAudit(EngineAudit):
             self._say("fast_path", "kvcanary: the decode fast path (attention through a block table) is not audited; "
                       "its forwards are counted as audit_forwards_skipped")
             return
-        q = np.fromiter((fs.query_length for fs in reqs), dtype=np.int64, count=len(reqs))
-        past = np.fromiter((fs.state.position_offset for fs in reqs), dtype=np.int64, count=len(reqs)) - q
-        cu = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum(q, out=cu[1:])
-        total = int(cu[-1])
+        # the rows as Python ints: right after the engine's forward each numpy call costs tens of
+        # microseconds (cold caches), a builtin on a short list a few; numpy is called where queries are
+        q = [fs.query_length for fs in reqs]
+        past = [fs.state.position_offset - n for fs, n in zip(reqs, q)]
+        cu = [0, *itertools.accumulate(q)]
+        total = cu[-1]
         self.steps = steps
         self._deferred = self.fused and total <= DEFER_TOKENS
-        situation = (shape_class(len(reqs), bool((q > 1).any())), self._pool_key)
+        situation = (shape_class(len(reqs), any(n > 1 for n in q)), self._pool_key)
         queries = self.sample(self._order, q, cu, past, int, lambda layer: self.layer_group[layer].name,
                               lambda layer: self._windows.get(layer) is not None, situation,
                               [fs.state.request_id for fs in reqs])
@@ -151,6 +153,9 @@ class CbAudit(EngineAudit):
         """The compiled loop's query table and floats (:mod:`kvcanary.audit.tables`)."""
         c = self._compiled
         assert c is not None
+        if not queries:  # none this forward (the budget's cadence): no tables made
+            self._qt, self._fl, self.plans = NO_QUERIES, c.fl, {}
+            return
         info = self._layers
         self._qt, sinks = query_table(
             queries, lambda q: c.index[q.layer], lambda q: info[q.layer].rep, lambda q: self._windows.get(q.layer),

@@ -205,21 +205,20 @@ class VllmAudit(EngineAudit):
             return
         t0 = time.perf_counter()
         step = live[0].step
-        # on the host already: numpy views, made int64 by numpy (a torch conversion costs microseconds here)
-        qsl = np.asarray(step.new_offsets.numpy(), dtype=np.int64)
-        cached = np.asarray(step.cached_lens.numpy(), dtype=np.int64)
-        q = qsl[1:] - qsl[:-1]
-        valid = np.asarray(rows.valid.numpy(), dtype=bool)[: len(q)]
+        # the rows as Python ints (two conversions): right after the engine's forward each numpy call
+        # costs tens of microseconds (cold caches), a builtin on a short list a few
+        qsl, cached = step.new_offsets.tolist(), step.cached_lens.tolist()
+        q = [b - a if x is not None else 0 for a, b, x in zip(qsl, qsl[1:], rows.reqs)]  # padding rows: none
         layers, windows, pool = self._covered(live)
         # a new pool (or dtype: a new pool) or batch shape class is a new situation for the budget
-        situation = (shape_class(len(q), bool((q > 1).any())), pool)
-        queries = self.sample(layers, q * valid, qsl, cached, self.index.__getitem__, lambda n: self.groups[n].name,
+        situation = (shape_class(len(q), any(b - a > 1 for a, b in zip(qsl, qsl[1:]))), pool)
+        queries = self.sample(layers, q, qsl, cached, self.index.__getitem__, lambda n: self.groups[n].name,
                               situation=situation, rids=rows.rids)
         self._to_plan = (queries, windows)  # the per-layer path's plans, made when it runs (_layer_plans)
         self.plans = None
         fa = self.start(forwards, qsl, cached, {g.name: g.step.new_slots for g in live}, queries, CPU,
                         host=True)
-        self.pick_writes(int(qsl[-1]), CPU, len(layers))  # the one call after the forward thins them (WideForward)
+        self.pick_writes(qsl[-1], CPU, len(layers))  # the one call after the forward thins them (WideForward)
         if all(g.canary.backend == "fused" for g in live):
             self._wide = ACTIVE[0] = self._deferred(live, layers, pool, fa.queries)
         if self._wide is None:

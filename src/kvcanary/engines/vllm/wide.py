@@ -13,7 +13,7 @@ import torch
 from kvcanary.audit.records import Writes
 from kvcanary.audit.tables import (L_ESIZE, PTR_O, PTR_Q, Q_LAYER, Q_LOCAL, S_O, S_Q, STRIDE_COLUMNS, query_table,
                                    strides)
-from kvcanary.engines.audit import NO_TOKENS
+from kvcanary.engines.audit import NO_QUERIES, NO_TOKENS
 from kvcanary.engines.vllm.fold import Fold
 
 NOTHING, KEEP, CHECK = 0, 1, 2  # what is left of a layer's checks after its attention (WideForward.before)
@@ -118,9 +118,12 @@ class WideForward:
             c = by_number[q.layer][1]
             return None if c.sink_logits is None else float(c.sink_logits[q.head])
 
-        qt, sinks = query_table(mine, lambda q: by_number[q.layer][0], lambda q: by_number[q.layer][1].rep,
-                                lambda q: base.windows[by_number[q.layer][0]], sink, len(base.fl), picked)
-        qt[:, Q_LOCAL] = np.arange(len(qt))  # each query's row of the kept copies
+        if mine:
+            qt, sinks = query_table(mine, lambda q: by_number[q.layer][0], lambda q: by_number[q.layer][1].rep,
+                                    lambda q: base.windows[by_number[q.layer][0]], sink, len(base.fl), picked)
+            qt[:, Q_LOCAL] = np.arange(len(qt))  # each query's row of the kept copies
+        else:  # a forward the budget audits no query of: no table made (it is never written)
+            qt, sinks = NO_QUERIES, []
         steps = describe(live[0].step)[None] if len(live) == 1 else np.stack([describe(g.step) for g in live])
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
         fl = np.concatenate([base.fl, np.asarray(sinks, dtype=np.float64)]) if sinks else base.fl
