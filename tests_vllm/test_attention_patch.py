@@ -90,14 +90,10 @@ def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch)
     class Wide:
         by_layer: dict = {}
         base = SimpleNamespace(by_layer=by_layer)
-        audit = object()
 
-    def attend(audit, plan, row, t0, original, *args):
-        assert audit is plan.audit
-        runs.append((row, args))
-        return original(*args)
-
-    monkeypatch.setattr(audit.wide, "attend", attend)
+        def attend(self, row, t0, *args):  # the plan's direct path: the engine's attention, with its arguments
+            runs.append((row, args))
+            return audit._ORIGINAL["forward"](*args)
 
     class Audit:
         fa = object()

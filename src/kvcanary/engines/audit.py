@@ -211,24 +211,29 @@ class EngineAudit:
 
     def run_compiled(self, layers: np.ndarray, ptrs: np.ndarray, strides: np.ndarray, steps: np.ndarray,
                      qt: np.ndarray, fl: np.ndarray, gathered: bool, layer_ids: Sequence[int],
-                     groups: Sequence[str | None], token_bytes: int) -> None:
+                     groups: Sequence[str | None], token_bytes: int, rows: list[int] | None = None) -> None:
         """The write checks of the layers with a computed K's address in ``ptrs`` and the queries of
         ``qt`` in one call of :func:`kvcanary.fused.audit.check_forward` (the tables:
         :mod:`kvcanary.audit.tables`); ``layer_ids`` and ``groups``: each table row's layer number
-        and group in the records."""
+        and group in the records; ``rows``: the table rows with a K's address, in order (``None``:
+        read from ``ptrs``)."""
         from kvcanary.fused.audit import check_forward
 
         fa = self.fa
         assert fa is not None
         toks = self.write_tokens if self.write_tokens is not None else NO_TOKENS
         shape = (layers.shape[0], len(toks))
-        half, head = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
+        half, head = np.zeros((2, *shape), dtype=np.int64)  # one call: each numpy call is dear after a forward
         check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, fa.err, fa.shift, fa.tol, gathered)
-        rows = [i for i, p in enumerate(ptrs[:, PTR_K].tolist()) if p]
+        if rows is None:
+            rows = [i for i, p in enumerate(ptrs[:, PTR_K].tolist()) if p]
+        else:
+            rows = sorted(rows)
         if rows:
-            kept = rows if len(rows) < shape[0] else slice(None)
-            fa.writes.append(Writes([layer_ids[i] for i in rows], [groups[i] for i in rows], toks, half[kept],
-                                    head[kept]))
+            if np.count_nonzero(half):  # a record only where a write differs (the drain reads nothing else of it)
+                kept = rows if len(rows) < shape[0] else slice(None)
+                fa.writes.append(Writes([layer_ids[i] for i in rows], [groups[i] for i in rows], toks, half[kept],
+                                        head[kept]))
             self.count_writes(len(rows), len(toks), token_bytes)
 
     @staticmethod

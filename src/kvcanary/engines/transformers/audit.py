@@ -101,8 +101,11 @@ class CbAudit(EngineAudit):
         if len(self._module_ids) != len(self.modules):  # the modules are registered once, on entry
             self._module_ids = {layer: id(m) for layer, m in self.modules.items()}
         ids = self._module_ids if "attention" not in self.taps else {}
+        # where this is the only protected model, a forward that needs nothing of any layer's attention has the
+        # model look up the engine's own function (no wrapper at all); with several, each module is looked up
+        alone = len(hooks.ACTIVE) <= 1
         if ids:  # no audit this forward, unless planned below: every layer's attention straight to the engine
-            hooks.PASS[0] = (set(ids.values()), self.clock)
+            hooks.PASS[0] = (set(ids.values()), self.clock, alone)
         if not steps or not self._order or not self.due(forwards):
             return
         if batch.get("block_table") is not None:
@@ -133,7 +136,8 @@ class CbAudit(EngineAudit):
         if self._deferred and self.write_tokens is not None and "update" not in self.taps and cache is not None:
             hooks.KEEP[0] = (cache.cache_tensor, self.stash, self.clock)  # every layer's K and V, kept directly
         if ids and self._deferred:  # the layers of the audited queries wrapped: their query and output kept
-            hooks.PASS[0] = ({i for layer, i in ids.items() if layer not in self.plans}, self.clock)
+            skip = {i for layer, i in ids.items() if layer not in self.plans}
+            hooks.PASS[0] = (skip, self.clock, alone and len(skip) == len(ids))
         elif ids:  # a large forward: every layer's checks as it goes
             hooks.PASS[0] = None
         self.planned(t0)
@@ -289,24 +293,30 @@ class CbAudit(EngineAudit):
         st = [0] * STRIDE_COLUMNS
         q0 = o0 = None
         gathered = False
+        wrote: list[int] = []  # the table rows whose writes the call checks
         if writes:
-            # each layer's addresses, strides and dtypes in one pass (reading them in the cache-update hook
-            # instead, while the tensors are in the CPU's caches, measured dearer in all)
-            kept = [(layer, (k.data_ptr(), v.data_ptr(), k.stride(), v.stride(), k.dtype, v.dtype))
-                    for layer, (k, v) in self.stash.items() if layer in c.index]
-            if kept:
-                first = self.stash[kept[0][0]]
-                ks, vs, dtype = kept[0][1][2], kept[0][1][3], c.cache_dtype
-                # a cast on the way into the cache, or tensors shaped otherwise: the torch comparison
-                odd = {layer for layer, m in kept if m[4] != dtype[layer] or m[5] != dtype[layer] or m[2] != ks
-                       or m[3] != vs}
-                for layer in odd:
-                    self._write(layer, self._layers[layer])
-                if odd:
-                    kept = [x for x in kept if x[0] not in odd]
-                for layer, m in kept:
-                    i = 4 * c.index[layer]
-                    ptrs[i + PTR_K], ptrs[i + PTR_V] = m[0], m[1]
+            # each layer's addresses, strides and dtypes in one pass over the kept references (reading them in
+            # the cache-update hook instead, while the tensors are in the CPU's caches, measured dearer in all);
+            # a layer whose tensors differ from the first one's in strides or dtype, or whose dtype is not its
+            # cache's (a cast on the way in), is compared by torch
+            first = sig = None
+            odd = []
+            index, dtype = c.index, c.cache_dtype
+            for layer, (k, v) in self.stash.items():
+                i = index.get(layer)
+                if i is None:
+                    continue
+                m = (k.stride(), v.stride(), k.dtype, v.dtype)
+                if sig is None and m[2] == m[3] == dtype[layer]:
+                    first, sig = (k, v), m
+                if m != sig or m[2] != dtype[layer]:
+                    odd.append(layer)
+                    continue
+                ptrs[4 * i + PTR_K], ptrs[4 * i + PTR_V] = k.data_ptr(), v.data_ptr()
+                wrote.append(i)
+            for layer in odd:
+                self._write(layer, self._layers[layer])
+            if first is not None:
                 st[S_K:S_K + 3], st[S_V:S_V + 3] = strides(first[0], 2, 1, 3), strides(first[1], 2, 1, 3)
         if audit:
             for layer, (q, o, gathered) in self.qstash.items():
@@ -330,7 +340,7 @@ class CbAudit(EngineAudit):
         qt = self._qt if audit and self._qt is not None else NO_QUERIES
         fl = self._fl if self._fl is not None else c.fl
         self.run_compiled(c.layers, np.array(ptrs, dtype=np.int64).reshape(-1, 4), np.array(st, dtype=np.int64),
-                          c.steps, qt, fl, gathered, c.order, c.group_of, c.token_bytes)
+                          c.steps, qt, fl, gathered, c.order, c.group_of, c.token_bytes, wrote)
 
     def _say(self, key: str, text: str) -> None:
         if key not in self._said:

@@ -5,10 +5,9 @@ the forward's stream). transformers is imported inside functions only.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -25,22 +24,40 @@ def to_device(dev: torch.device, *tensors: torch.Tensor | None) -> tuple[Any, ..
     return tuple(None if t is None else t.pin_memory().to(dev, non_blocking=True) for t in tensors)
 
 
-@contextlib.contextmanager
-def canary_work(stream: Any) -> Iterator[None]:
-    """Around the canary's work in a forward: on the forward's own stream (so it is ordered with
-    the forward, drains of the ring included), on one intra-op thread.
+class canary_work:
+    """Around the canary's work in a forward (a context manager): on the forward's own stream (so it is
+    ordered with the forward, drains of the ring included), on one intra-op thread.
 
     The continuous-batching forward runs in a worker thread, where a small op fanned out to the
     intra-op pool costs several times its work (76 us instead of 10 us for a 2k-element
     repeat_interleave on the 2-core machines here). The forward itself is not running meanwhile.
+    Where the process already runs one intra-op thread on a CPU (no stream), nothing is set: a
+    class, not a generator, since it brackets every hook of every forward (4 us a use as a
+    generator, called in a loop).
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            yield
-    finally:
-        torch.set_num_threads(threads)
+
+    __slots__ = ("stream", "threads", "ctx")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.threads = stream, 1
+        self.ctx: Any = None
+
+    def __enter__(self) -> None:
+        self.threads = torch.get_num_threads()
+        if self.threads != 1:
+            torch.set_num_threads(1)
+        if self.stream is not None:
+            self.ctx = torch.cuda.stream(self.stream)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.ctx is not None:
+                self.ctx.__exit__(*exc)
+                self.ctx = None
+        finally:
+            if self.threads != 1:
+                torch.set_num_threads(self.threads)
 
 
 # ---- class-level patches (the CB processor is built inside its worker thread) ---------------
@@ -59,7 +76,9 @@ KEEP: list[tuple[torch.Tensor, dict, list[float]] | None] = [None]
 # the attention wrapper's direct path, likewise: the ids of the attention modules of the forward being
 # checked (CbAudit.begin sets them) that it needs nothing of (no audited query of theirs, or no audit
 # this forward), whose attention goes straight to the engine, and the clock its seconds go on
-PASS: list[tuple[set[int], list[float]] | None] = [None]
+# (the third item: every protected module is in the set, so the attention function the model looks up is
+# handed out unwrapped for this forward, and no wrapper runs at all)
+PASS: list[tuple[set[int], list[float], bool] | None] = [None]
 
 
 def pool_key(cache_tensor: torch.Tensor) -> int:
@@ -203,6 +222,9 @@ _AUDITED_FN: dict[Any, Callable[..., Any]] = {}  # attention function -> its aud
 
 def _get_interface(self: Any, attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
     fn = _ORIGINAL["get_interface"](self, attn_implementation, default)
+    skip = PASS[0]
+    if skip is not None and skip[2]:  # the forward's checks need nothing of any layer's attention
+        return fn
     wrapped = _AUDITED_FN.get(fn)
     if wrapped is None:
         def wrapped(module: Any, query: Any, key: Any, value: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:

@@ -76,9 +76,8 @@ def install() -> None:
         if (plan is not None and attn_metadata is not None and output_scale is None and output_block_scale is None
                 and not args and not kwargs and not TAPS):
             got = plan.by_layer.get(layer)
-            if got is not None:  # a layer this forward's plan has seen: its engine's, checked as planned
-                return wide.attend(plan.audit, plan, got, t0, _ORIGINAL["forward"], impl, layer, query, key, value,
-                                   kv_cache, attn_metadata, output)
+            if got is not None and output is not None:  # a layer this forward's plan has seen: checked as planned
+                return plan.attend(got, t0, impl, layer, query, key, value, kv_cache, attn_metadata, output)
         original = _ORIGINAL["forward"]
         tap = TAPS.get("forward")
         if tap is not None:
@@ -268,7 +267,9 @@ class VllmAudit(EngineAudit):
             self._fold_tables[key] = fold_tables(live, layers, self.groups, getattr(self.adapter, "spans", {}),
                                                  self.geometry)
         fold = Fold(self._fold_tables[key], [g.name for g in live], max(int(g.step.num_new) for g in live))
-        return WideForward.plan(self, live, base, queries, fold)
+        plan = WideForward.plan(self, live, base, queries, fold)
+        plan.original = _ORIGINAL.get("forward")  # the engine's attention, for the patch's direct path
+        return plan
 
     # ---- inside the forward -----------------------------------------------------------------------
 

@@ -103,6 +103,7 @@ class WideForward:
         self.audit: Any = None  # the audit that planned it (plan)
         self.by_layer = base.by_layer  # the layers seen, by their module (the attention patch's direct path)
         self.clock = [0.0]  # the seconds of the per-layer work, the audit's clock (plan)
+        self.original: Callable[..., Any] | None = None  # the engine's attention (the patch's direct path, attend)
         self.live = True  # until the audit withdraws it (the forward's end, or a failure of the canary's own)
         self._tables()
 
@@ -182,6 +183,36 @@ class WideForward:
             self.keep_layer(self.at_address, li, 0, 0, 0)
         return KEEP if audited else NOTHING
 
+    def attend(self, got: tuple[int, Any], t0: float, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> Any:
+        """The attention patch's direct path: a layer this forward has seen (``got``: its row and
+        statics), called as the engine usually calls it (an output buffer, no scales, no other
+        arguments), through :meth:`before` to the engine's attention (``original``) and :meth:`keep`
+        after it, as :func:`attend` does with fewer objects touched (it runs 30 times a forward, where
+        each one is a cache miss). The canary's seconds from ``t0`` (the patch's first statement) are
+        charged to ``clock``; a failure of the canary's own goes to the audit's ``failed``."""
+        after = NOTHING
+        try:
+            after = self.before(got, query, key, value, md, output)
+        except Exception as e:
+            self.audit.failed(e)
+        clock = self.clock
+        clock[0] += time.perf_counter() - t0
+        out = self.original(impl, layer, query, key, value, kv_cache, md, output)  # type: ignore[misc]
+        if after == NOTHING:
+            return out
+        t0 = time.perf_counter()
+        try:
+            if after == KEEP:
+                if self.live:
+                    self.keep(got[0], query, output)
+            else:
+                self.audit.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
+        except Exception as e:
+            self.audit.failed(e)
+        clock[0] += time.perf_counter() - t0
+        return out
+
     def _tables(self) -> None:
         """The per-layer call's tables by address (:func:`kvcanary.fused.keep.keep_tables`): this
         forward's and the fold's current ones, held here with the array of their addresses."""
@@ -213,12 +244,15 @@ class WideForward:
             check_forward(self.table, self.ptrs, st, self.steps, NO_TOKENS, self.qt, self.fl, none, none, fa.err,
                           fa.shift, fa.tol, True)
         rows = self.wrote
-        if len(rows) == len(self.names) and len(set(rows)) == len(rows):  # every row once: the arrays as they are
-            b = self.base
-            fa.writes.append(Writes(b.numbers, b.groups, self.toks, self.half, self.head))
-        elif rows:
-            fa.writes.append(Writes([self.base.numbers[i] for i in rows], [self.base.groups[i] for i in rows],
-                                    self.toks, self.half[rows], self.head[rows]))
+        # a record only where a write differs (the drain reads nothing else of it); the rows of the layers not
+        # checked are zero in these fresh arrays, so one count tells
+        if rows and np.count_nonzero(self.half):
+            if len(rows) == len(self.names) and len(set(rows)) == len(rows):  # every row once: the arrays as they are
+                b = self.base
+                fa.writes.append(Writes(b.numbers, b.groups, self.toks, self.half, self.head))
+            else:
+                fa.writes.append(Writes([self.base.numbers[i] for i in rows], [self.base.groups[i] for i in rows],
+                                        self.toks, self.half[rows], self.head[rows]))
         if rows:
             audit.count_writes(len(rows), len(self.toks), audit.geometry[self.names[rows[0]]].token_bytes)
         if self.trusted:
