@@ -12,8 +12,8 @@ import random
 import pytest
 
 from kvcanary.engines.transformers.models import ARCHS, full_layers, tiny_arch
-from kvcanary.faults.cb_soak import (MEMORY, MODELS, REAL, CbConfig, count_events, cpu_offload_shim, draw_configs,
-                                     failure, prompts, random_cb_config, run_cb_config, session, tokens)
+from kvcanary.faults.cb_soak import (CANARY, MEMORY, MODELS, REAL, CbConfig, count_events, cpu_offload_shim,
+                                     draw_configs, failure, prompts, random_cb_config, run_cb_config, session, tokens)
 
 
 def C(seed, arch, **kw):
@@ -40,8 +40,9 @@ CI = [
     pytest.param(C(7008, "cohere2", requests=9, prefix=16, max_new_tokens=7, forks=2, sample=True, memory="tight",
                    warm=True),
                  {"forks", "copied_blocks", "soft_resets"}, id="cohere2-forks-tight-warm"),
-    pytest.param(C(5, "gemma3", layers=4, requests=10, prefix=40, max_new_tokens=16, memory="tight", page_size=16),
-                 {"soft_resets"}, id="gemma3-L4-tight-page16"),
+    pytest.param(C(5, "gemma3", layers=4, requests=10, prefix=40, max_new_tokens=16, memory="tight", page_size=16,
+                   canary="default"),
+                 {"soft_resets"}, id="gemma3-L4-tight-page16-default-canary"),
     pytest.param(C(7010, "gemma3", requests=8, prefix=0, max_new_tokens=8, forks=3, sample=True, memory="offload",
                    max_batch_tokens=24),
                  {"forks", "copied_blocks", "prefill_chunks"}, id="gemma3-forks-offload-unshared-chunk24"),
@@ -49,9 +50,9 @@ CI = [
                    warm=True, max_batch_tokens=24),
                  {"forks", "copied_blocks", "prefill_chunks"}, id="mistral-forks-warm-chunk24"),
     pytest.param(C(7029, "llama", requests=11, prefix=16, prefixes=2, max_new_tokens=7, forks=2, sample=True,
-                   memory="tight", page_size=4),
+                   memory="tight", page_size=4, canary="default"),
                  {"forks", "copied_blocks", "soft_resets", "cache_evictions", "prefix_hit_tokens"},
-                 id="llama-forks-tight-prefix-page4"),
+                 id="llama-forks-tight-prefix-page4-default-canary"),
     pytest.param(C(7027, "gemma2", layers=4, requests=8, prefix=0, max_new_tokens=14, sample=True, memory="offload",
                    page_size=8),
                  {"offloaded", "restored"}, id="gemma2-L4-sampled-offload"),
@@ -76,6 +77,8 @@ def test_crossed_configuration_is_clean(cfg, exercised):
     assert not missing, f"{cfg.label()} did not exercise {sorted(missing)}: {res['events']}"
     if exercised & {"copied_blocks", "restored"}:
         assert res["slots_scrubbed"] > 0  # fork copies and restored blocks were verified where they landed
+    if cfg.canary == "default":  # the time budget's cadence ran: forwards with queries and forwards without
+        assert res["audit_queries"] > 0 and res["audit_forwards_without_queries"] > 0, res
 
 
 def test_the_trained_model_crossing_is_clean(monkeypatch):
@@ -109,6 +112,7 @@ def test_ci_list_covers_every_architecture_and_feature_crossed():
     assert any(c.prefix == 0 for c in cfgs) and any(c.prefixes > 1 for c in cfgs)
     assert {c.page_size for c in cfgs} >= {4, 8, 16} and {c.layers for c in cfgs} == {2, 4}
     assert any(c.max_batch_tokens < 32 for c in cfgs)
+    assert {c.canary for c in cfgs} == set(CANARY)
 
 
 def test_sampling_with_forks_reproduces_under_cb_so_sampled_runs_are_compared():
@@ -143,7 +147,11 @@ def test_random_configurations_are_seeded_and_cover_the_space():
     assert all(c.layers == 30 for c in real) and {c.model_dtype for c in real} == {"bfloat16", "float32"}
     # the tiny models alone draw what they drew before the real model joined (earlier seeds rerun)
     assert [c.label() for c in draw_configs(2, seed=4, models=sorted(ARCHS))] == [
-        "seed=4000 gemma3 L2 page=8 sample tight prefix=40x1", "seed=4001 llama L4 page=8 sample prefix=24x1 chunk=48"]
+        "seed=4000 gemma3 L2 page=8 sample tight prefix=40x1 default-canary",
+        "seed=4001 llama L4 page=8 sample prefix=24x1 chunk=48 default-canary"]
+    assert {c.canary for c in cfgs} == set(CANARY)
+    with pytest.raises(ValueError, match="canary: expected one of"):
+        C(1, "llama", canary="fast")
     assert {c.forks for c in cfgs} == {1, 2, 3} and all(c.sample for c in cfgs if c.forks > 1)
     assert any(c.warm for c in cfgs) and any(c.max_batch_tokens < 32 for c in cfgs)
     warm, measured = prompts(cfgs[0])

@@ -7,10 +7,12 @@ SmolLM2-135M-Instruct of :mod:`kvcanary.real_model`, :data:`REAL`, in bfloat16 u
 configuration says float32, prompted with real text through its chat template), forks (``num_return_sequences`` 1-3, sampled),
 sampling, tight memory (evictions and soft resets), CPU offloading, a warm persistent manager whose
 prefix cache already holds blocks written before protection, shared-prefix prompts and chunked
-prefill. :func:`run_cb_config` runs one configuration once without and once with
+prefill, and the canary's configuration (:data:`CANARY`). :func:`run_cb_config` runs one configuration once
+without and once with
 ``protect(model, CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16,
                                                                                      audit_budget=None))``
-(every read byte verified, every forward audited); a clean engine must
+(every read byte verified, every forward audited), or, in a third of them, with the defaults in raise
+mode (the content window, the patrol, the time budget's query counts and cadence); a clean engine must
 give no violation, no internal error, no failed request, no exception and the same tokens.
 Violations are read from the protection and from each canary's history (a raise-mode error may die
 in the engine's worker thread, leaving only ``error`` strings on the requests: those count too).
@@ -52,6 +54,7 @@ MODELS = (*sorted(ARCHS), REAL)  # what a configuration draws from
 DTYPES = ("float32", "bfloat16")
 
 MEMORY = ("ample", "tight", "offload")  # offload: tight memory with a CPU tier
+CANARY = ("full", "default")  # the canary's configuration in a crossing (CbConfig.canary)
 TIGHT_TOKENS = 112  # KV tokens each full-attention layer of a tight pool holds: one or two requests
 TIGHT_WINDOWS = 3  # request windows each sliding layer of a tight pool holds
 
@@ -145,6 +148,10 @@ class CbConfig:
     page_size: int = 8
     max_batch_tokens: int = 128  # below the prompt lengths: chunked prefill
     dtype: str | None = None  # None: float32 for the tiny models, bfloat16 for the real one
+    # the canary's configuration: "full" (every read byte verified, the write check and 16 queries on every
+    # forward) or "default" (the defaults in raise mode: the content window, the patrol, and the time budget's
+    # query count and cadence, forwards without queries among them)
+    canary: str = "full"
 
     def __post_init__(self) -> None:
         if self.arch not in MODELS:
@@ -157,12 +164,15 @@ class CbConfig:
             raise ValueError(f"memory: expected one of {MEMORY}, got {self.memory!r}")
         if self.forks > 1 and not self.sample:
             raise ValueError(f"forks: expected sample=True with forks > 1, got forks={self.forks}, sample=False")
+        if self.canary not in CANARY:
+            raise ValueError(f"canary: expected one of {CANARY}, got {self.canary!r}")
 
     def label(self) -> str:
         feats = [f"forks={self.forks}" if self.forks > 1 else "", "sample" if self.sample else "greedy",
                  self.memory if self.memory != "ample" else "", "warm" if self.warm else "",
                  f"prefix={self.prefix}x{self.prefixes}" if self.prefix else "no-prefix",
-                 f"chunk={self.max_batch_tokens}" if self.max_batch_tokens < 64 else ""]
+                 f"chunk={self.max_batch_tokens}" if self.max_batch_tokens < 64 else "",
+                 "default-canary" if self.canary == "default" else ""]
         dtype = {"float32": " fp32", "bfloat16": " bf16"}[self.model_dtype] if self.dtype or self.arch == REAL else ""
         return (f"seed={self.seed} {self.arch}{dtype} L{self.layers} page={self.page_size} "
                 + " ".join(f for f in feats if f))
@@ -185,6 +195,9 @@ def random_cb_config(rng: random.Random, seed: int | None = None, models: Sequen
     )
     if cfg.arch == REAL and rng.random() < 0.25:  # the real model in float32 too, bfloat16 mostly
         cfg = dataclasses.replace(cfg, dtype="float32")
+    # the default canary in a third, drawn apart (from the model's seed) so the other fields' draws stay as they were
+    if random.Random(cfg.seed * 7919 + 1).random() < 1 / 3:
+        cfg = dataclasses.replace(cfg, canary="default")
     return cfg
 
 
@@ -306,6 +319,9 @@ def _guard_report(guard: Any) -> dict[str, Any]:
         "violations": max(st.get("violations", 0), len(seen)),
         "first_violations": [guard.describe(v) for v in seen[:3]],
         "internal_errors": st.get("internal_errors", 0),
+        # the read audit's queries, and the forwards the time budget audited none of (the default canary)
+        "audit_queries": st.get("audit_queries", 0),
+        "audit_forwards_without_queries": st.get("audit_forwards_without_queries", 0),
     }
 
 
@@ -324,7 +340,8 @@ def _quiet() -> Iterator[None]:
 
 
 def run_cb_config(cfg: CbConfig, hooks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Run ``cfg`` without and with the canary (raise mode, every read slot's bytes) and report.
+    """Run ``cfg`` without and with the canary (raise mode, every read slot's bytes, or the defaults in raise
+    mode: ``cfg.canary``) and report.
 
     ``ok`` is true when the protected run had no violation, internal error, failed or missing request
     or exception, and its tokens equal the baseline's (or the baseline is not reproducible: ``None``);
@@ -335,10 +352,9 @@ def run_cb_config(cfg: CbConfig, hooks: Sequence[Any] = ()) -> dict[str, Any]:
     model, tok = build_model(cfg)
     with _quiet():
         base = session(model, cfg, None, tokenizer=tok)
-        # every read byte verified, and the write check and read audit on every forward
-        run = session(model, cfg, CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16,
-                                                                                     audit_budget=None),
-                      hooks, tok)
+        # every read byte verified, and the write check and read audit on every forward; or the defaults
+        full = CanaryConfig(mode="raise", content_budget_bytes=None, audit_every=1, audit_queries=16, audit_budget=None)
+        run = session(model, cfg, full if cfg.canary == "full" else CanaryConfig(mode="raise"), hooks, tok)
         same: bool | None = tokens(run.out) == tokens(base.out)
         if not same and not run.error:
             again = session(model, cfg, None, tokenizer=tok)
