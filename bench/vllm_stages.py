@@ -43,6 +43,8 @@ STAGES = [
     ("kvcanary.engines.audit", "EngineAudit", "run_compiled", "  compiled call"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.model_positions", "__wrapped__", "position check"),
     ("kvcanary.engines.vllm.wide", "", "attend", "per-layer wrapper (the engine's attention excluded)"),
+    # the attention patch's direct path (a layer the forward's plan has seen): the same stage
+    ("kvcanary.engines.vllm.wide", "WideForward", "attend", "per-layer wrapper (the engine's attention excluded)"),
     ("kvcanary.engines.vllm.wide", "WideForward", "before", "  before attention (write check, fold)"),
     ("", "", "", "    compiled call (write check, fold)"),
     ("kvcanary.engines.vllm.wide", "WideForward", "keep", "  after attention (audited rows copied)"),
@@ -129,11 +131,13 @@ def _install(spent: dict[str, float], calls: dict[str, int], stages: list[tuple[
             obj = getattr(obj, part)
         fn = getattr(obj, attr)
 
-        def wrapper(*a: Any, _fn: Any = fn, _stage: str = stage, **k: Any) -> Any:
+        def wrapper(*a: Any, _fn: Any = fn, _stage: str = stage, _method: bool = bool(owner), **k: Any) -> Any:
             t = time.perf_counter()
             inner = [0.0]
-            if _stage == WRAPPER:  # attend(audit, plan, got, t0, original, ...): the engine's attention left out
-                original = a[4]
+            plan = None
+            if _stage == WRAPPER:  # the engine's attention left out: attend(audit, plan, got, t0, original, ...),
+                # or the plan's own attend(got, t0, ...), which calls the plan's ``original``
+                original = a[0].original if _method else a[4]
 
                 def attention(*aa: Any, **kk: Any) -> Any:
                     t1 = time.perf_counter()
@@ -142,10 +146,16 @@ def _install(spent: dict[str, float], calls: dict[str, int], stages: list[tuple[
                     finally:
                         inner[0] += time.perf_counter() - t1
 
-                a = (*a[:4], attention, *a[5:])
+                if _method:
+                    plan = a[0]
+                    plan.original = attention
+                else:
+                    a = (*a[:4], attention, *a[5:])
             try:
                 return _fn(*a, **k)
             finally:
+                if plan is not None:
+                    plan.original = original
                 spent[_stage] += time.perf_counter() - t - inner[0]
                 calls[_stage] += 1
 
@@ -236,9 +246,13 @@ def main() -> int:
     total = sum(spent[s] for s in CANARY)
     print(f"vLLM CPU, {name}, {ns.requests} requests, OMP_NUM_THREADS={args.threads}, {args.runs} runs, "
           f"{forwards} timed forwards, {'compiled (torch.compile)' if args.compiled else 'eager'}")
+    printed: set[str] = set()
     for i, (_, _, _, stage) in enumerate(shown):
         if i == len(STAGES):
             print("the hooks' parts (--fine; each nested in the stage above that calls it):")
+        if stage in printed:  # a stage timed at two entries (the per-layer wrapper's)
+            continue
+        printed.add(stage)
         per_call = f"  {spent[stage] / max(calls[stage], 1) * 1e6:7.1f} us/call" if stage in PER_CALL else ""
         print(f"{stage:52s} {spent[stage] / forwards * 1e6:8.1f} us/forward  {spent[stage] / total:6.1%} "
               f"of the canary{per_call}")
