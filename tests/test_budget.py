@@ -41,21 +41,49 @@ def test_over_a_run_the_audit_keeps_to_its_share_despite_new_situations():
     assert spent / total <= 0.0105
 
 
-def test_an_audit_dearer_than_its_budget_audits_one_query_every_rounds_forwards_at_the_least():
+def _over_budget(b: QueryBudget, forwards: int) -> list[int]:
+    """Each forward's count where a query costs as much as the forward (the budget never pays one)."""
+    counts = []
+    for _ in range(forwards):
+        n = b.plan(0)
+        counts.append(n)
+        b.observe(n, 1e-3 if n else 0.0, 1e-3)
+    return counts
+
+
+def test_an_audit_dearer_than_its_budget_audits_one_query_in_each_run_of_rounds_forwards():
     b = QueryBudget(64, 0.01)
     for _ in range(WARM):
         b.plan(0)
-    counts = []
-    for _ in range(4 * AUDIT_ROUNDS):
-        n = b.plan(0)
-        counts.append(n)
-        b.observe(n, 1e-3 if n else 0.0, 1e-3)  # a query costs as much as the forward
-    # after the first forwards' queries are paid for: one query in every AUDIT_ROUNDS forwards, none between
-    tail = counts[2 * AUDIT_ROUNDS:]
-    assert set(tail) == {0, 1} and sum(tail) == len(tail) // AUDIT_ROUNDS
-    assert all(sum(tail[i:i + AUDIT_ROUNDS]) == 1 for i in range(len(tail) - AUDIT_ROUNDS + 1))
-    assert b.stats()["audit_forwards_without_queries"] >= len(tail) - len(tail) // AUDIT_ROUNDS
+    _over_budget(b, 2)  # the first queries' cost is owed: from here no forward's count pays a query
+    counts = _over_budget(b, 40 * AUDIT_ROUNDS)
+    assert set(counts) == {0, 1} and sum(counts) == 40  # one in each run of AUDIT_ROUNDS
+    audited = [i for i, n in enumerate(counts) if n]
+    gaps = [b2 - a for a, b2 in zip(audited, audited[1:])]
+    assert max(gaps) <= 2 * AUDIT_ROUNDS - 1 and len(set(gaps)) > 3  # at most 15 apart, at varying places
+    assert b.stats()["audit_forwards_without_queries"] >= len(counts) - 40
     assert b.write_layers(30)[1] == math.ceil(30 / 8)  # the fewest layers' writes
+
+
+@pytest.mark.parametrize("period", [8, 16, 20, 24])
+def test_a_periodic_brief_fault_meets_an_audited_forward_whatever_its_phase(period):
+    """A fixed cadence (every 8th forward) never audits a forward of a fault that strikes every 8th, 16th
+    or 24th forward at another phase, and meets one striking every 20th only at half the phases; the
+    drawn place in each run meets every phase within a few hundred forwards."""
+    b = QueryBudget(64, 0.01)
+    for _ in range(WARM):
+        b.plan(0)
+    _over_budget(b, 2)
+    audited = {i for i, n in enumerate(_over_budget(b, 50 * period)) if n}
+    for phase in range(period):
+        assert any(f in audited for f in range(phase, 50 * period, period)), phase
+
+
+def test_without_a_read_audit_there_is_no_cadence():
+    b = QueryBudget(0, 0.01)
+    for _ in range(WARM + 3 * AUDIT_ROUNDS):
+        assert b.plan(0) == 0
+    assert b.stats()["audit_forwards_without_queries"] == 0
 
 
 def test_the_audit_comes_back_when_the_other_checks_leave_room_again():

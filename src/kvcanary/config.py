@@ -73,8 +73,8 @@ class CanaryConfig:
         0 turns the read audit off
     audit_budget : the share of the run's wall time the canary may take, the write check and read
         audit included: each audited forward in a known situation audits as many queries as the
-        share leaves after the canary's other work, none where it leaves less than one query's time, and
-        at least one every 8 forwards (:mod:`kvcanary.audit.budget`); on
+        share leaves after the canary's other work, none where it leaves less than one query's time
+        but one in each run of 8 such forwards (:mod:`kvcanary.audit.budget`); on
         vLLM's CPU path the write check checks that count's share of the layers, rotating, at least
         an eighth of them a forward, and the others' fingerprints are taken from the rows the layers
         computed; ``None``: every audited forward audits ``audit_queries`` and checks every layer

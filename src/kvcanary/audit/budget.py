@@ -11,8 +11,11 @@ forward, at the measured seconds per query (at most doubling per forward, never 
 ``CanaryConfig.audit_queries``). The full counts of new situations are paid back by smaller counts
 after them, so over a run the canary keeps to its share wherever its other checks fit in it. Where
 they do not, or where they leave less than one query's time, a known-situation forward audits no
-query, and one query is audited every :data:`AUDIT_ROUNDS` forwards at the least (the audit's
-cadence, counted as ``audit_forwards_without_queries``). A faulty kernel path taken for the first
+query, and one forward in each run of :data:`AUDIT_ROUNDS` such forwards audits one, at a place in
+the run drawn anew for each run (the audit's cadence; the forwards without are counted as
+``audit_forwards_without_queries``): audited forwards are at most ``2 * AUDIT_ROUNDS - 1`` apart,
+and a brief fault that strikes periodically lands on one, whatever its period (a fixed cadence
+would never meet a fault whose strikes keep to the forwards between its audits). A faulty kernel path taken for the first
 time is where a brief fault lives, so a forward in a new situation audits the full ``audit_queries``:
 
 - the first :data:`WARM` audited forwards after start;
@@ -38,18 +41,21 @@ Coverage bound: with ``n`` queries a forward over ``L`` audited layers, ``R`` ro
 tokens and ``H`` heads, the rotation (:meth:`kvcanary.audit.auditor.Auditor.pick`) audits every
 (layer, row) pair of a steady batch within ``ceil(L * R / n)`` audited forwards, every (layer, row,
 head) triple within ``ceil(L * R * H / n)``, and every (layer, head) pair within ``ceil(L * H / n)``
-where the batch has at least ``H`` rows; at the cadence's least (one query every
-:data:`AUDIT_ROUNDS` forwards) each audited forward stands for ``AUDIT_ROUNDS`` forwards.
+where the batch has at least ``H`` rows; at the cadence's least (one query in each run of
+:data:`AUDIT_ROUNDS` forwards) each audited forward stands for ``AUDIT_ROUNDS`` forwards, and a fault
+that changes every query of the forwards it strikes is found on each strike with a chance of one in
+``AUDIT_ROUNDS``.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Hashable
 
 WARM = 8  # audited forwards after start that audit the full count
 FOCUS = 4  # queries of a request's own in its first decode and its first forward after a prefix hit
 WRITE_ROUNDS = 8  # in a known situation, each layer's writes are checked at least once in this many forwards
-AUDIT_ROUNDS = 8  # in a known situation, at least one query is audited in this many forwards
+AUDIT_ROUNDS = 8  # in a known situation, one query is audited in each run of this many forwards without
 GROWTH = 2.0  # the most the count grows from one forward to the next
 _SMOOTH = 0.25  # the weight of the newest forward in the measured seconds per query
 
@@ -67,33 +73,40 @@ class QueryBudget:
     def __init__(self, queries: int, share: float | None) -> None:
         self.queries, self.share = queries, share
         self.audited = 0  # forwards planned so far
-        self.count = queries if share is None else 1  # the next known-situation forward's count (0: none)
+        self.count = queries if share is None else min(1, queries)  # the next known-situation forward's count
         self.per_query: float | None = None  # the audit's measured seconds per query (smoothed)
         self.balance = 0.0  # seconds the canary spent under (+) or over (-) its share so far, bounded
         self.situation: Hashable = None
         self.new = 0  # forwards audited at the full count because their situation was new
         self.fresh = True  # the last planned forward audits the full count (warm-up or a new situation)
         self.write_turn = 0  # the rotation over layers of the write check (write_layers)
-        self.idle = 0  # known-situation forwards in a row planned without a query
+        self.idle = 0  # the place in the current run of forwards the budget leaves without a query
+        self._draw = random.Random(0)  # the place in each run that audits one query (seeded: runs repeat)
+        self.slot = self._draw.randrange(AUDIT_ROUNDS)
         self.without = 0  # forwards planned without a query (the budget left none)
 
     def plan(self, situation: Hashable) -> int:
         """This forward's count: the full count where ``situation`` differs from the last forward's or
-        within the first :data:`WARM` forwards, else the count the time budget allows (0: none; one
-        where the :data:`AUDIT_ROUNDS` - 1 forwards before it audited none)."""
+        within the first :data:`WARM` forwards, else the count the time budget allows (0: none; one at
+        the drawn place of each run of :data:`AUDIT_ROUNDS` forwards it leaves without)."""
         fresh = self.audited < WARM or situation != self.situation
         self.situation = situation
         self.audited += 1
         self.fresh = fresh
         n = self.queries if fresh or self.share is None else self.count
         self.new += int(fresh and self.share is not None)
-        if n > 0:
-            self.idle = 0
-        elif self.idle >= AUDIT_ROUNDS - 1:
-            n, self.idle = 1, 0
+        if n > 0 or self.queries <= 0:  # (no read audit at all: no cadence either)
+            # a run of forwards without queries starts afresh after a forward with them
+            if self.idle:
+                self.idle, self.slot = 0, self._draw.randrange(AUDIT_ROUNDS)
+            return n
+        if self.idle == self.slot:
+            n = 1
         else:
-            self.idle += 1
             self.without += 1
+        self.idle += 1
+        if self.idle == AUDIT_ROUNDS:
+            self.idle, self.slot = 0, self._draw.randrange(AUDIT_ROUNDS)
         return n
 
     def write_layers(self, layers: int) -> tuple[int, int]:

@@ -130,7 +130,9 @@ CATALOG: tuple[FaultClass, ...] = (
                "the attention kernel misreads V's scale on 1 forward in 20", audit=True, at_default=True),
     # confined to one (layer, head): found within the rotation's bound of L * H queries with at least H
     # rows (kvcanary.audit.budget): 8 forwards on the selftest's 2-layer, 4-head model and 20 requests,
-    # at one query a forward
+    # at one query a forward (where it is injected there, forwards audit a new shape class's full count or
+    # a request's own queries at its first decode; at the cadence's least, one in 8 forwards, the bound
+    # is 8 times it)
     FaultClass("head_zeroed_one_layer", Point.KERNEL, Outcome.DETECT, Check.ATTENTION, 8, (),
                "in one layer the attention kernel drops one query head's output (FlashInfer #4450)",
                audit=True, at_default=True),
