@@ -213,11 +213,8 @@ class CbAudit(EngineAudit):
         if self.fa is not None and self.write_tokens is not None:
             self.stash[layer_idx] = (key, value)
         tap = self.taps.get("update")
-        if t0 is not None:
-            dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
-            self.adapter.seconds += dt
-            self.spent += dt
-            self.layer_seconds += dt
+        if t0 is not None:  # on the clock the direct paths use, settled after the forward (stop_keeping)
+            self.clock[0] += time.perf_counter() - t0
         if tap is not None:
             return tap(original, cache, key, value, layer_idx, kwargs)
         return original(cache, key, value, layer_idx, kwargs)
@@ -241,11 +238,8 @@ class CbAudit(EngineAudit):
                     self._layer(layer, query, out[0])
         except Exception as e:
             self.failed(e)
-        finally:
-            dt = time.perf_counter() - t0  # charged here, not through charge(): this runs 30 times a forward
-            self.adapter.seconds += dt
-            self.spent += dt
-            self.layer_seconds += dt
+        finally:  # on the clock the direct paths use, settled after the forward (stop_keeping)
+            self.clock[0] += time.perf_counter() - t0
 
     def _layer_fused(self, layer: int, query: torch.Tensor, out: torch.Tensor) -> None:
         """A large forward on the compiled loop: this layer's writes now; its sampled queries' rows

@@ -196,21 +196,10 @@ class WideForward:
             after = self.before(got, query, key, value, md, output)
         except Exception as e:
             self.audit.failed(e)
-        clock = self.clock
-        clock[0] += time.perf_counter() - t0
+        self.clock[0] += time.perf_counter() - t0
         out = self.original(impl, layer, query, key, value, kv_cache, md, output)  # type: ignore[misc]
-        if after == NOTHING:
-            return out
-        t0 = time.perf_counter()
-        try:
-            if after == KEEP:
-                if self.live:
-                    self.keep(got[0], query, output)
-            else:
-                self.audit.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
-        except Exception as e:
-            self.audit.failed(e)
-        clock[0] += time.perf_counter() - t0
+        if after != NOTHING:
+            _after(self.audit, self, got, after, impl, layer, query, key, value, kv_cache, md, output, out)
         return out
 
     def _tables(self) -> None:
@@ -277,13 +266,21 @@ def attend(audit: Any, plan: WideForward | None, got: tuple[int, Any] | None, t0
             audit.failed(e)
     # charged on the plan's clock (the audit's, settled after the forward): this runs 30 times a forward,
     # where each object touched is a cache miss
-    clock = plan.clock if plan is not None else audit.clock
-    clock[0] += time.perf_counter() - t0
+    (plan.clock if plan is not None else audit.clock)[0] += time.perf_counter() - t0
     # the engine's extra arguments passed on only where it gave some (packing none costs, 30 times a forward)
     out = (original(impl, layer, query, key, value, kv_cache, md, output, *args, **kwargs) if args or kwargs
            else original(impl, layer, query, key, value, kv_cache, md, output))
-    if after == NOTHING:
-        return out
+    if after != NOTHING:
+        _after(audit, plan, got, after, impl, layer, query, key, value, kv_cache, md, output, out)
+    return out
+
+
+def _after(audit: Any, plan: WideForward | None, got: tuple[int, Any] | None, after: int, impl: Any, layer: Any,
+           query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: Any,
+           out: Any) -> None:
+    """A layer's checks after its attention (``after``: :meth:`WideForward.before`'s ``KEEP`` or
+    ``CHECK``), for :func:`attend` and :meth:`WideForward.attend`: its audited rows kept, or its
+    per-layer check; their seconds on the plan's clock (else the audit's), a failure to ``failed``."""
     t0 = time.perf_counter()
     try:
         if after == KEEP:
@@ -293,5 +290,4 @@ def attend(audit: Any, plan: WideForward | None, got: tuple[int, Any] | None, t0
             audit.check_layer(impl, layer, query, key, value, kv_cache, md, out if out is not None else output)
     except Exception as e:
         audit.failed(e)
-    clock[0] += time.perf_counter() - t0
-    return out
+    (plan.clock if plan is not None else audit.clock)[0] += time.perf_counter() - t0
