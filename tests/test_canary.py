@@ -11,6 +11,7 @@ import torch
 
 import kvcanary
 from kvcanary import Canary, CanaryConfig, Check, ConfigError, KvCorruptionError, StepError, UnsupportedError
+from kvcanary import checks
 from kvcanary.violations import NUM_FIELDS, ViolationRing
 
 from factories import paged_layout, prefill_of, random_step
@@ -99,6 +100,26 @@ def test_release_makes_reads_empty():
     c.before_forward(step)
     v = c.poll()
     assert [(x.checks, x.position) for x in v if x.row == 0][0] == (Check.EMPTY, 3)
+
+
+@pytest.mark.parametrize("backend", ["fused", "torch"])
+def test_release_blocks_empties_every_slot_of_the_blocks_and_no_other(backend):
+    c, step, _ = primed("log", backend=backend)
+    before = c.stamps.clone()
+    c.release_blocks([3, 1, 3], BS)  # a block twice: the same as once
+    for b in range(NB):
+        got = c.stamps[b * BS:(b + 1) * BS]
+        want = torch.tensor(checks.EMPTY_STAMP).expand(BS, 4) if b in (1, 3) else before[b * BS:(b + 1) * BS]
+        assert torch.equal(got, want), b
+    c.release_blocks([], BS)  # nothing freed: nothing done
+    assert c.stats()["internal_errors"] == 0
+
+
+@pytest.mark.parametrize("blocks,bs,bad", [([NB], BS, f"got {NB}"), ([-1], BS, "got -1"), ([0], 3, "got 3")])
+def test_release_blocks_names_a_bad_block_or_block_size(blocks, bs, bad):
+    c, _, _ = primed("raise")
+    with pytest.raises(kvcanary.KvCanaryError, match=bad):
+        c.release_blocks(blocks, bs)
 
 
 def test_callbacks_receive_violations():

@@ -54,6 +54,29 @@ def test_clean_prefix_sharing_and_identical_outputs(llama):
     assert st["slots_stamped"] == sum(len(p) for p in ps) + sum(len(t) - 1 for t in tokens(out).values())
 
 
+def test_the_engines_frees_are_released_together_and_verify_clean(llama, monkeypatch):
+    """The engine frees blocks one call at a time (a finished request's, a prefix's duplicates): the
+    protection notes them and releases them together at its next hook (one compiled loop a group),
+    before that forward's reads are verified; freed blocks handed out again verify clean."""
+    from kvcanary.canary import Canary
+    from kvcanary.engines.transformers.entry import Protection
+
+    frees, releases = [], []
+    note, release = Protection.free_later, Canary.release_blocks
+    monkeypatch.setattr(Protection, "free_later", lambda self, i, b: frees.append(len(b)) or note(self, i, b))
+    monkeypatch.setattr(Canary, "release_blocks", lambda self, b, bs: releases.append(len(b)) or release(self, b, bs))
+    ps = prompts(16, seed=4)
+    base, _ = generate(llama, ps, max_new_tokens=12, num_blocks=16)
+    out, guard = generate(llama, ps, CanaryConfig(mode="raise", content_budget_bytes=None), max_new_tokens=12,
+                          num_blocks=16)
+    assert tokens(out) == tokens(base)
+    st = guard.stats()
+    assert st["violations"] == 0 and st["internal_errors"] == 0
+    assert 0 < len(releases) < len(frees)  # several frees released in one go
+    assert sum(releases) <= sum(frees)  # (those freed after the last forward: at the run's end, exported too)
+    assert not guard.frees  # none left behind
+
+
 def test_sliding_window_and_hybrid_groups():
     for model in (tiny_model(seed=0, layers=2, sliding_window=12), _hybrid()):
         ps = prompts(8, seed=3)

@@ -98,7 +98,7 @@ def test_warm_persistent_manager_reports_nothing_it_never_saw_written(llama):
 INTERNALS = [
     (cb.Protection, "build_steps"), (cb.Protection, "ensure_groups"), (cb.Protection, "poll"),
     # a hook's body (kvcanary.engines.base.hook): what the shield around it runs
-    (cb.Protection.released, "__wrapped__"), (cb.Protection.offloaded, "__wrapped__"),
+    (cb.Protection, "release_frees"), (cb.Protection.offloaded, "__wrapped__"),
     (cb.Protection.copied, "__wrapped__"), (cb.Protection.restored, "__wrapped__"), (cb.Protection, "_stamps_of"),
     (cb.Protection.before, "__wrapped__"), (cb.Protection.after_forward, "__wrapped__"),
     (token_book.TokenBook, "update"), (token_book.TokenBook, "forget_except"), (StepBuilder, "build"),

@@ -98,6 +98,14 @@ def _after(d, c, k, src, runs, keys, writers, led_at, led_before, pre_acc, pre_c
     return DONE
 
 
+@njit(**JIT)
+def _set_blocks(stamps, blocks, bs, s0, s1, s2, s3):  # type: ignore[no-untyped-def]
+    """``stamps[s] = (s0, s1, s2, s3)`` for every slot ``s`` of ``blocks`` (``bs`` slots each)."""
+    for b in blocks:
+        for s in range(b * bs, (b + 1) * bs):
+            stamps[s, 0], stamps[s, 1], stamps[s, 2], stamps[s, 3] = s0, s1, s2, s3
+
+
 class ForwardArgs:
     """One canary's arguments to the compiled forward entries, bound once: the canary's record (the
     addresses of its stamps, counters, ring, cursor and guard state, and its sizes), its layout
@@ -126,6 +134,11 @@ class ForwardArgs:
         record[[C_REGIONS, C_NREGIONS, C_SNAP]] = g.snapshot_args()
         self.record = record
         self.call = np.zeros(CALL_FIELDS, dtype=np.int64)  # rewritten by every call
+        self.stamps = c.stamps.numpy()  # the same memory, for the loops that take it as an array
+
+    def set_blocks(self, blocks: list[int], block_size: int, stamp: tuple[int, int, int, int]) -> None:
+        """Every slot of ``blocks`` (checked: in the pool) stamped ``stamp``, in one compiled loop."""
+        _set_blocks(self.stamps, np.asarray(blocks, dtype=np.int64), block_size, *stamp)
 
     def before(self, d: np.ndarray, content_slots: int, part: int, check: bool, forward: int) -> int:
         k = self.call
@@ -145,10 +158,11 @@ class ForwardArgs:
 
 
 def warm_up(d: np.ndarray, record: np.ndarray, tables: tuple[np.ndarray, ...], writers: np.ndarray) -> None:
-    """Both entries once on a tiny canary's arguments (:func:`kvcanary.fused.available`)."""
+    """Both entries, and the block release, once on a tiny canary's arguments (:func:`kvcanary.fused.available`)."""
     led = np.full(writers.shape[0] - 1, -1, dtype=np.int64)
     k = np.zeros(CALL_FIELDS, dtype=np.int64)
     k[K_CONTENT], k[K_PART], k[K_CHECK] = -1, 1, 1
     _before(d, record, k, *tables, led, led.copy())
     k[K_TAIL], k[K_PATROL_N] = 1, 1
     _after(d, record, k, *tables, writers, led, led.copy(), _NO_FOLD, _NO_LEDGER)
+    _set_blocks(np.zeros((4, 4), dtype=np.int64), np.zeros(1, dtype=np.int64), 4, -1, -1, 0, 0)

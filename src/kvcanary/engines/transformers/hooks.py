@@ -179,7 +179,7 @@ def _free_blocks(self: Any, index: int, block_ids: list[int]) -> None:
     _ORIGINAL["free_blocks"](self, index, block_ids)
     prot = BY_POOL.get(id(self))
     if prot is not None and block_ids:
-        prot.released(index, list(block_ids))
+        prot.free_later(index, block_ids)  # released at its next hook, with the others freed until then
 
 
 def _pool_reset(self: Any) -> None:
@@ -200,6 +200,8 @@ def _generate_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
     out = _ORIGINAL["generate_batch"](self, *args, **kwargs)
     prot = ACTIVE.get(id(self))
     if prot is not None:
+        if prot.frees:
+            prot.released()
         prot.raise_pending()  # raise mode: the error that stopped the engine, in the caller's thread
     return out
 

@@ -23,6 +23,7 @@ class TransferSide:
 
     groups: dict[str, Any]
     ensure_groups: Callable[[Any], None]  # the scheduler side's
+    release_frees: Callable[[], None]  # the scheduler side's: the blocks freed since the last hook, released first
     poll: Callable[..., list]  # the protection's
 
     def __init__(self) -> None:
@@ -32,6 +33,7 @@ class TransferSide:
     @hook("the offload hook")
     def offloaded(self, cache: Any, rids: set[str], tables: dict[str, dict[str, list[int]]]) -> None:
         """Blocks of ``rids`` were copied to the CPU tier: keep their stamps beside them."""
+        self.release_frees()
         self.ensure_groups(cache)
         for rid in rids:
             self.offloaded_stamps[rid] = {name: self._stamps_of(name, blocks)
@@ -49,6 +51,7 @@ class TransferSide:
     @hook("the block-copy hook")
     def copied(self, allocator: Any, source: list[int], dest: list[int]) -> None:
         """A fork copied whole blocks inside the pool: their stamps follow, and the copies are verified."""
+        self.release_frees()
         g = next((g for g in self.groups.values() if g.allocator is allocator), None)
         if g is not None:
             g.canary.import_stamps(g.block_slots(dest), g.canary.export_stamps(g.block_slots(source)))
@@ -57,6 +60,7 @@ class TransferSide:
     @hook("the restore hook")
     def restored(self, cache: Any, rids: list[str]) -> None:
         """Blocks of ``rids`` came back from the CPU tier: install their stamps and verify the bytes."""
+        self.release_frees()
         self.ensure_groups(cache)
         for rid in rids:
             saved = self.offloaded_stamps.pop(rid, {})
