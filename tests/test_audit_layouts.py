@@ -75,10 +75,11 @@ def test_the_compiled_audit_reads_each_vllm_cpu_layout_as_the_reference(isa: str
     ptrs = np.array([[ck.data_ptr(), cv.data_ptr(), query.data_ptr(), out.data_ptr()]], dtype=np.int64)
 
     def run() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        half, head = np.zeros((1, 2), dtype=np.int64), np.zeros((1, 2), dtype=np.int64)
+        half, head = np.full((1, 2), 7, dtype=np.int64), np.full((1, 2), 7, dtype=np.int64)  # zeroed by the call
         err, shift, tol = np.full(len(qt), -1.0), np.zeros(len(qt), dtype=np.int64), np.zeros(len(qt))
-        check_forward(layers, ptrs, st, describe(step)[None], np.arange(2), qt, fl, half, head, err, shift, tol,
-                      False)
+        differ = check_forward(layers, ptrs, st, describe(step)[None], np.arange(2), qt, fl, half, head, err, shift,
+                               tol, False)
+        assert differ == np.count_nonzero(half)
         return err, half[0], head[0]
 
     err, half, head = run()

@@ -69,6 +69,7 @@ class EngineAudit:
         self._last: tuple[float, float] | None = None  # the wall clock and the canary's seconds at the last end
         self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
         self._tokens: tuple[np.ndarray, torch.Tensor] | None = None  # 0 .. n-1 on the host and the device, grown
+        self._results: np.ndarray | None = None  # the one call's write-check results, reused (run_compiled)
         self.write_rows: bytes | None = None  # this forward's write-checked layer positions (1), None: every layer
         # seconds the adapter's per-layer direct paths spent in this forward, added up there in one list
         # (touching the audit and the adapter inside every layer costs more) and settled after it (settle)
@@ -223,17 +224,20 @@ class EngineAudit:
         assert fa is not None
         toks = self.write_tokens if self.write_tokens is not None else NO_TOKENS
         shape = (layers.shape[0], len(toks))
-        half, head = np.zeros((2, *shape), dtype=np.int64)  # one call: each numpy call is dear after a forward
-        check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, fa.err, fa.shift, fa.tol, gathered)
+        if self._results is None or self._results.shape[1:] != shape:
+            self._results = np.zeros((2, *shape), dtype=np.int64)  # kept: each numpy call is dear after a forward
+        half, head = self._results  # zeroed by the call
+        differ = check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, fa.err, fa.shift, fa.tol,
+                               gathered)
         if rows is None:
             rows = [i for i, p in enumerate(ptrs[:, PTR_K].tolist()) if p]
         else:
             rows = sorted(rows)
         if rows:
-            if np.count_nonzero(half):  # a record only where a write differs (the drain reads nothing else of it)
+            if differ:  # a record only where a write differs (the drain reads nothing else of it), of copies
                 kept = rows if len(rows) < shape[0] else slice(None)
-                fa.writes.append(Writes([layer_ids[i] for i in rows], [groups[i] for i in rows], toks, half[kept],
-                                        head[kept]))
+                fa.writes.append(Writes([layer_ids[i] for i in rows], [groups[i] for i in rows], toks,
+                                        half[kept].copy(), head[kept].copy()))
             self.count_writes(len(rows), len(toks), token_bytes)
 
     @staticmethod

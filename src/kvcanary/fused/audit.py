@@ -283,7 +283,9 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
     forward; ``strides``: their token, head and dim strides in bytes; ``steps``: the step
     descriptors the layers' ``L_STEP`` name. ``toks``: the batch tokens whose writes are checked:
     ``half[l, i]`` says whether token ``toks[i]``'s computed K (bit 1) and V (bit 2) rows differ
-    from the cache's rows at its slot, ``head[l, i]`` the first KV head that differs.
+    from the cache's rows at its slot, ``head[l, i]`` the first KV head that differs (both zeroed
+    first, so they may be reused from one forward to the next). Returns how many entries of ``half``
+    are not 0.
 
     ``qt``: the query table (``[S, QUERY_COLUMNS]``); ``fl``: the float table (each layer's scale,
     soft-cap, tolerance base and slope, then the sinks' logits); ``gathered``: the queries and
@@ -291,6 +293,8 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
     error (:func:`kvcanary.audit.reference.error`; -1: a position without a slot), ``tols`` with its
     tolerance, and ``shift`` with +1 or -1 where reading every cached block one page on or back
     gives the engine's output (tried above the tolerance only)."""
+    half[:, :] = 0
+    head[:, :] = 0
     ahead = 2  # layers whose rows are hinted before the one compared
     for lay in range(-ahead, layers.shape[0]):
         nxt = lay + ahead
@@ -299,8 +303,13 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
             _prefetch_writes(c, ptrs[nxt, PTR_K], ptrs[nxt, PTR_V], strides, steps[c[L_STEP]], toks)
         if lay >= 0 and ptrs[lay, PTR_K] != 0:
             _check_writes(layers[lay], ptrs[lay, PTR_K], ptrs[lay, PTR_V], strides, steps, toks, half[lay], head[lay])
+    differ = 0
+    for lay in range(half.shape[0]):
+        for i in range(half.shape[1]):
+            if half[lay, i] != 0:
+                differ += 1
     if qt.shape[0] == 0:
-        return
+        return differ
     width = 1
     nd_max = 1
     for s in range(qt.shape[0]):
@@ -342,3 +351,4 @@ def check_forward(layers, ptrs, strides, steps, toks, qt, fl, half, head, err, s
                           sink, has_sink, logits, slots, out, row)[0] <= tol:
                     shift[k] = sh
                     break
+    return differ
