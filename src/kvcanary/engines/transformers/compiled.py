@@ -77,8 +77,7 @@ class StepBuilder:
         n = sh.np
         q, past = sh.q, n["past"]
         q[:] = q_list
-        past[:] = upto_list
-        past -= q
+        past[:] = [u - n for u, n in zip(upto_list, q_list)]  # a builtin's loop: an in-place numpy op is dearer here
         if book is not None:
             rows = np.array(book.update(states, upto_list), dtype=np.int64)
             buf = book.buf.numpy()
