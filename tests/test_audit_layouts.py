@@ -1,6 +1,7 @@
 """The compiled write check and read audit (:func:`kvcanary.fused.audit.check_forward`) read every
 vLLM CPU layout as its geometry's torch rows do: ``vec`` at plain strides (bf16, fp32) and ``amx``
-(bf16: K in 16-token tiles of dimension pairs, V in 16-dimension strips of token pairs), through the
+(bf16: K in 16-token tiles of dimension pairs, V in 16-dimension strips of token pairs), and
+transformers' token rows (a token's heads one after another, compared a whole token at once), through the
 same descriptors (:meth:`kvcanary.geometry.base.KvGeometry.descriptors`). Each query's error equals
 the torch reference's on random cache contents, where one misplaced element would show; a changed
 element of a computed K or V row, each element of each head in turn, is reported in its half and head,
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.skipif(available() is not None, reason="numba is not in
 BLOCKS, HEADS, BLOCK, DIM, REP = 6, 2, 32, 64, 3  # REP query heads per KV head
 
 
-@pytest.mark.parametrize("isa,dtype", [("vec", torch.bfloat16), ("vec", torch.float32), ("amx", torch.bfloat16)])
+@pytest.mark.parametrize("isa,dtype", [("vec", torch.bfloat16), ("vec", torch.float32), ("amx", torch.bfloat16),
+                                       ("tokens", torch.bfloat16), ("tokens", torch.float32)])
 def test_the_compiled_audit_reads_each_vllm_cpu_layout_as_the_reference(isa: str, dtype: torch.dtype) -> None:
     from kvcanary.audit.reference import DTYPES, attend, error
     from kvcanary.audit.tables import (F_SCALE, F_TOL_BASE, FLOATS_PER_LAYER, Q_CACHED, Q_HEAD, Q_KV_HEAD, Q_LAYER,
@@ -31,7 +33,13 @@ def test_the_compiled_audit_reads_each_vllm_cpu_layout_as_the_reference(isa: str
     from kvcanary.step import Step
 
     g = torch.Generator().manual_seed(11)
-    geo = vllm_cpu(torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(dtype), isa, BLOCK, HEADS, DIM)
+    if isa == "tokens":  # transformers continuous batching: one layer's K and V pages in each block
+        from kvcanary.geometry.token_pages import TokenPages
+
+        rows = torch.randn(BLOCKS * BLOCK, 2, HEADS, DIM, generator=g).to(dtype)
+        geo = TokenPages(rows, BLOCK, 2 * BLOCK, [0]).layer(0)
+    else:
+        geo = vllm_cpu(torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).to(dtype), isa, BLOCK, HEADS, DIM)
     # two requests, one new token each: 21 positions in block 3, and 42 over blocks 1 and 4 (an even slot
     # and an odd one: amx V holds a pair of tokens' elements in each 4-byte word, one in each lane)
     table = torch.tensor([[3, -1], [1, 4]])

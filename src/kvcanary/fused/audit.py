@@ -29,7 +29,7 @@ import math
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import types
+from numba import carray, types
 from numba.extending import intrinsic
 
 from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD_STRIDE, D_STRIP, D_STRIP_STRIDE,
@@ -38,7 +38,7 @@ from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_HEAD
                                    L_HEADS, L_K, L_MAX_SLOT, L_QCODE, L_STEP, L_V, LAYER_COLUMNS, PTR_K, PTR_O, PTR_Q,
                                    PTR_V, Q_CACHED, Q_HEAD, Q_KV_HEAD, Q_LAYER, Q_LOCAL, Q_PICKED, Q_POSITION, Q_ROW,
                                    Q_SINK, Q_START, Q_TOKEN, S_K, S_O, S_Q, S_V)
-from kvcanary.fused._core import JIT, ld_i64, ld_u8, ld_u16, ld_u32, prefetch_bytes
+from kvcanary.fused._core import JIT, i64_pointer, ld_i64, ld_u8, ld_u16, ld_u32, prefetch_bytes
 from kvcanary.fused._step import NS, lookup, rd
 from kvcanary.fused.cache import njit
 
@@ -98,8 +98,11 @@ def load_row(addr, stride, dt, buf):  # type: ignore[no-untyped-def]
 def slot_at(cd, s):  # type: ignore[no-untyped-def]
     """The address of slot ``s``'s element (head 0, dim 0) in the cache of descriptor ``cd``."""
     bs, tile = cd[D_BLOCK], cd[D_TILE]
-    t = s % bs
-    return cd[0] + (s // bs) * cd[D_BLOCK_STRIDE] + (t // tile) * cd[D_TILE_STRIDE] + (t % tile) * cd[D_TOKEN_STRIDE]
+    b = s // bs
+    t = s - b * bs
+    if tile == bs:  # a tile is the block (plain strides): no division more (one is dozens of cycles)
+        return cd[0] + b * cd[D_BLOCK_STRIDE] + t * cd[D_TOKEN_STRIDE]
+    return cd[0] + b * cd[D_BLOCK_STRIDE] + (t // tile) * cd[D_TILE_STRIDE] + (t % tile) * cd[D_TOKEN_STRIDE]
 
 
 @njit(inline="always", **JIT)
@@ -123,16 +126,25 @@ def ldbits(addr, esz):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **JIT)
+def _words_differ(a, b, n):  # type: ignore[no-untyped-def]
+    """Whether ``n`` 8-byte words at ``a`` and at ``b`` differ in any bit: their XORs ORed together, a
+    loop the compiler vectorises (arrays over the words; an early exit, or loads through raw
+    addresses, keep it from doing so)."""
+    x, y = carray(i64_pointer(a), n), carray(i64_pointer(b), n)
+    acc = 0
+    for w in range(n):
+        acc |= x[w] ^ y[w]
+    return acc != 0
+
+
+@njit(inline="always", **JIT)
 def _differs(a, sa, b, cd, esz, nd):  # type: ignore[no-untyped-def]
     """Whether ``nd`` elements of ``esz`` bytes at ``a`` (stride ``sa``) and a cache row at ``b``
     (descriptor ``cd``'s strips) differ in any bit; 8 bytes at a time where both rows are contiguous,
     4 where each strip is."""
     sb, strip = cd[D_DIM_STRIDE], cd[D_STRIP]
     if sa == esz and sb == esz and strip == nd and (nd * esz) % 8 == 0:
-        for w in range(nd * esz // 8):
-            if ld_i64(a + 8 * w) != ld_i64(b + 8 * w):
-                return True
-        return False
+        return _words_differ(a, b, nd * esz // 8)
     if sa == esz and sb == esz and (strip * esz) % 4 == 0:  # strips contiguous on both sides: 4-byte words
         words = strip * esz // 4  # (vLLM's amx K: one word, a dimension pair, a cache line)
         for i in range(nd // strip):
@@ -215,6 +227,14 @@ def _error(ck, cv, dt, qv, ov, step, r, lo, p, kvh, cached, shift, limit, scale,
 
 
 @njit(inline="always", **JIT)
+def _whole_rows(cd, strides, col, esz, nd, row):  # type: ignore[no-untyped-def]
+    """Whether a token's computed row (``strides[col:col + 3]``) and its cache row (descriptor ``cd``)
+    each hold its heads one after another, every element contiguous."""
+    return (strides[col + 2] == esz and strides[col + 1] == row and cd[D_DIM_STRIDE] == esz and cd[D_STRIP] == nd
+            and cd[D_HEAD_STRIDE] == row)
+
+
+@njit(inline="always", **JIT)
 def check_write(c, ka, va, strides, step, t):  # type: ignore[no-untyped-def]
     """Batch token ``t``'s write check in one layer (layer row ``c``, its computed K and V at ``ka`` and
     ``va``): whether its K (bit 1) and V (bit 2) rows differ from the cache's at its slot, and the
@@ -225,6 +245,14 @@ def check_write(c, ka, va, strides, step, t):  # type: ignore[no-untyped-def]
     esz, nh, nd = c[L_ESIZE], c[L_HEADS], c[L_DIM]
     ck, cv = c[L_K:L_K + DESCRIPTOR_COLUMNS], c[L_V:L_V + DESCRIPTOR_COLUMNS]
     kb, vb = slot_at(ck, s), slot_at(cv, s)
+    row = nd * esz
+    if (row * nh) % 8 == 0 and _whole_rows(ck, strides, S_K, esz, nd, row) and _whole_rows(cv, strides, S_V, esz, nd,
+                                                                                          row):
+        # each side's heads one after another (transformers' token rows): the whole token at once, and
+        # head by head only where it differs (rare)
+        if not _words_differ(ka + t * strides[S_K], kb, row * nh // 8) \
+                and not _words_differ(va + t * strides[S_V], vb, row * nh // 8):
+            return 0, 0
     hf = 0
     first = -1
     for h in range(nh):
@@ -250,12 +278,19 @@ def _prefetch_writes(c, ka, va, strides, step, toks):  # type: ignore[no-untyped
     if ck[D_DIM_STRIDE] != esz or cv[D_DIM_STRIDE] != esz or ck[D_STRIP] != nd or cv[D_STRIP] != nd \
             or strides[S_K + 2] != esz or strides[S_V + 2] != esz:
         return
+    whole = _whole_rows(ck, strides, S_K, esz, nd, n) and _whole_rows(cv, strides, S_V, esz, nd, n)
     for i in range(toks.shape[0]):
         t = toks[i]
         s = rd(step, NS, t)
         if s < 0:
             continue
         kb, vb = slot_at(ck, s), slot_at(cv, s)
+        if whole:  # each side's heads one after another: a token's row at once
+            prefetch_bytes(kb, n * nh)
+            prefetch_bytes(vb, n * nh)
+            prefetch_bytes(ka + t * strides[S_K], n * nh)
+            prefetch_bytes(va + t * strides[S_V], n * nh)
+            continue
         for h in range(nh):
             prefetch_bytes(kb + h * ck[D_HEAD_STRIDE], n)
             prefetch_bytes(vb + h * cv[D_HEAD_STRIDE], n)
