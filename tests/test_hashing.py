@@ -130,3 +130,10 @@ def test_narrow_content_sees_every_single_bit():
             b[bit // 8] ^= 1 << (bit % 8)
             flipped[r] = bytes(b)
             assert h.py_content_words([h.py_words(flipped)]) != base, (r, bit)
+
+
+def test_every_sources_word_keys_in_one_pass_equal_the_reference():
+    counts = [3, 0, 5, 48, 1]
+    want = [h.signed(h.py_word_key(i, j)) for i, n in enumerate(counts) for j in range(n)]
+    assert h.all_word_keys(counts).tolist() == want
+    assert h.all_word_keys([]).numel() == 0

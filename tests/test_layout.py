@@ -150,7 +150,7 @@ def test_evenly_spaced_sources_of_one_storage_fuse_into_one_gather():
     srcs = tuple(ByteSource("s%d" % i, base, page_size=1, num_pages=6, page_stride=256, token_stride=0, rows=1,
                             row_stride=16, row_bytes=16, offset=64 * i) for i in range(4))
     lay = KvLayout(srcs + (ByteSource.from_tensor("other", torch.ones(6, 16, dtype=torch.uint8)),))
-    assert [r.keys.shape[0] for r in lay._runs] == [8, 2]
+    assert [r.keys.shape[0] for r in lay.gathers()] == [8, 2]
     want = [h.signed(h.py_content(slot_bytes(lay, s))) for s in range(6)]
     assert lay.fingerprint(torch.arange(6)).tolist() == want
 

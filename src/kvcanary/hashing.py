@@ -195,6 +195,15 @@ def word_keys(source: int, num_words: int, device: torch.device) -> torch.Tensor
     return fmix64(((source << 32) | j) ^ signed(KEY_SALT))
 
 
+def all_word_keys(counts: list[int]) -> torch.Tensor:
+    """Every source's word keys in layout order, :func:`word_keys` of source ``i`` for its ``counts[i]``
+    words one after another, as int64 on the CPU, in one vectorised pass (not one per source)."""
+    n = torch.tensor(counts, dtype=torch.int64)
+    src = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), n)
+    j = torch.arange(int(n.sum()), dtype=torch.int64) - (torch.cumsum(n, 0) - n)[src]
+    return fmix64(((src << 32) | j) ^ signed(KEY_SALT))
+
+
 def wmix(x: torch.Tensor) -> torch.Tensor:
     x = x * signed(WORD_MUL)
     return x ^ _lsr(x, 29)

@@ -48,7 +48,8 @@ class SourceTable:
             raise ValueError(f"the fused path runs on CPU pools, got device {device}")
         rows: list[list[int]] = []
         runs: list[int] = []
-        keys: list[int] = []
+        keys: list[int] = []  # each source's words: their keys made in one pass
+        nkeys = 0
         chunks: list[list[int]] = []
         spans: list[list[int]] = []
         for i, s in enumerate(layout.sources):
@@ -57,9 +58,10 @@ class SourceTable:
             nruns = s.read_runs if s.narrow else -(-s.read_words // (s.row_bytes // 8))
             base = s.tensor.untyped_storage().data_ptr() + s.offset
             rows.append([base, s.page_size, s.page_stride, s.pack, s.pack_stride, s.token_stride, width,
-                         s.read_words, 1 if s.narrow else s.row_bytes // 8, len(runs), len(keys), 0, 0, 0, 0])
+                         s.read_words, 1 if s.narrow else s.row_bytes // 8, len(runs), nkeys, 0, 0, 0, 0])
             runs += offs[:nruns]
-            keys += [hashing.signed(hashing.py_word_key(i, j)) for j in range(s.read_words)]
+            keys.append(s.read_words)
+            nkeys += s.read_words
             chunks.append(pack_chunks(offs[:nruns], width, s.pack, s.token_stride) if s.narrow else [])
             spans.append(byte_spans(offs[:nruns], width or s.row_bytes))
         for row, cs, sp in zip(rows, chunks, spans):  # after every source's runs (source i's start at A_RUN0)
@@ -69,7 +71,7 @@ class SourceTable:
             runs += sp
         self.src = np.array(rows, dtype=np.int64).reshape(-1, NUM_SRC_FIELDS)
         self.runs = np.array(runs + [0], dtype=np.int64)
-        self.keys = np.array(keys + [0], dtype=np.int64).view(np.uint64)
+        self.keys = np.append(hashing.all_word_keys(keys).numpy(), np.int64(0)).view(np.uint64)
         self.count = len(layout.sources)
         self.bytes_per_slot = layout.content_bytes_per_slot
         self._tensors = [s.tensor for s in layout.sources]  # keeps the storages alive
