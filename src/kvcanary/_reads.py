@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvcanary import hashing
@@ -30,11 +31,12 @@ def _dims(s: ByteSource) -> list[tuple[int, int]]:
     return sorted(((n, st) for n, st in dims if n > 1), key=lambda d: -d[1])
 
 
-def _run_starts(s: ByteSource, outer: int) -> torch.Tensor:
-    """Start bytes of the source's runs whose index along its outermost dimension is below ``outer``."""
-    starts = torch.tensor([s.offset])
+def _run_starts(s: ByteSource, outer: int) -> np.ndarray:
+    """Start bytes of the source's runs whose index along its outermost dimension is below ``outer``
+    (numpy: a pool's setup makes these for every source, and small torch ops cost several times more)."""
+    starts = np.array([s.offset], dtype=np.int64)
     for i, (n, st) in enumerate(_dims(s)):
-        starts = (starts[:, None] + torch.arange(min(n, outer) if i == 0 else n) * st).reshape(-1)
+        starts = (starts[:, None] + np.arange(min(n, outer) if i == 0 else n, dtype=np.int64) * st).reshape(-1)
     return starts
 
 
@@ -65,16 +67,16 @@ def check_disjoint(group: Sequence[ByteSource]) -> None:
     if total > MAX_OVERLAP_RUNS:
         return
     starts = [_run_starts(s, periods) for s in group]
-    start = torch.cat(starts)
-    end = torch.cat([st + s.row_bytes for st, s in zip(starts, group)])
-    who = torch.cat([torch.full_like(st, i) for i, st in enumerate(starts)])
-    order = torch.argsort(start, stable=True)
+    start = np.concatenate(starts)
+    end = start + np.repeat(np.array([s.row_bytes for s in group], dtype=np.int64), [len(st) for st in starts])
+    who = np.repeat(np.arange(len(group)), [len(st) for st in starts])
+    order = np.argsort(start, kind="stable")
     start, end, who = start[order], end[order], who[order]
-    hit = (start[1:] < torch.cummax(end, 0).values[:-1]).nonzero()  # a run begins before an earlier one ends
-    if not hit.numel():
+    hit = np.flatnonzero(start[1:] < np.maximum.accumulate(end)[:-1])  # a run begins before an earlier one ends
+    if not hit.size:
         return
     i = int(hit[0]) + 1
-    j = int((end[:i] > start[i]).nonzero()[0])
+    j = int(np.flatnonzero(end[:i] > start[i])[0])
     a, b, at = group[int(who[j])], group[int(who[i])], int(start[i])
     if a is b:
         raise LayoutError(
