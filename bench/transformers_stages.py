@@ -14,8 +14,11 @@ canary's own count of it, ``layer_seconds`` of its audit). The last line's ``can
 ``canary_share_of_run`` are the canary's own counter (``canary_us`` of its stats: the hooks and the
 per-layer work), ``hooks_us_per_forward`` the two hooks' sum as timed here; shares are of the
 counter. ``first_run``: the same counter for the process's first protected run (the warm-up, left
-out of the rest), where a lazily loaded or compiled loop would show. Each wrapped call adds about a
-microsecond of its own. ``--fine`` also times the hooks' parts (each nested under the stage that
+out of the rest), where a lazily loaded or compiled loop would show. ``steady_share``: the canary's
+share over each measured run's forwards from the 11th on (the wall time between those forwards' ends),
+against ``first_10_forwards_ms``, the canary's milliseconds in each run's first 10 forwards (the new
+pool's setup, the prefill, the read audit's full counts of its first forwards): what a long-running
+engine pays, beside what this short run pays. Each wrapped call adds about a microsecond of its own. ``--fine`` also times the hooks' parts (each nested under the stage that
 calls it; a part called from several stages is listed once, under the first). ``KVCANARY_*`` variables
 set in the environment change the canary's configuration (the last line's ``config`` says which).
 """
@@ -103,8 +106,25 @@ def timed(owner: Any, attr: str, stage: str) -> None:
     setattr(owner, attr, wrapper)
 
 
+ENDS: list[tuple[float, float]] = []  # (the canary's seconds, the wall clock) at each forward's end, this run
+
+
+def _at_each_end() -> None:
+    """Record the canary's seconds and the wall clock at the end of each forward (``ENDS``)."""
+    after = cb.Protection.after
+
+    def wrapper(self: Any, steps: Any) -> None:
+        after(self, steps)
+        ENDS.append((self.seconds, time.perf_counter()))
+
+    cb.Protection.after = wrapper
+
+
 def main() -> None:
     torch.set_num_threads(ARGS.threads)
+    _at_each_end()
+    steady = [0.0, 0.0]  # the canary's seconds and the wall time from each run's 11th forward on
+    first10 = 0.0
     stages = STAGES + (FINE if ARGS.fine else [])
     for owner, attr, stage in stages:
         timed(owner, attr, stage)
@@ -126,6 +146,7 @@ def main() -> None:
     for run in range(ARGS.runs + 1):  # the first run warms up
         if run == 1:
             spent.clear()
+        ENDS.clear()
         with torch.inference_mode(), protect(model, cfg) as guard:
             t = time.perf_counter()
             model.generate_batch(ps, generation_config=gen, continuous_batching_config=cbc)
@@ -135,6 +156,10 @@ def main() -> None:
                 forwards += guard.forwards
                 own += guard.stats()["canary_us"] / 1e6
                 inside += guard.audit.layer_seconds
+                if len(ENDS) > 11:
+                    steady[0] += ENDS[-1][0] - ENDS[10][0]
+                    steady[1] += ENDS[-1][1] - ENDS[10][1]
+                    first10 += ENDS[9][0]
             else:  # the process's first protected run: what an engine's first requests pay
                 mine = guard.stats()["canary_us"] / 1e6
                 first = {"canary_us_per_forward": round(mine / max(guard.forwards, 1) * 1e6, 1),
@@ -150,6 +175,8 @@ def main() -> None:
     print(json.dumps({"forwards": forwards, "canary_us_per_forward": round(own / forwards * 1e6, 1),
                       "canary_share_of_run": round(own / wall, 4), "hooks_us_per_forward": round(total / forwards * 1e6, 1),
                       "forward_ms": round(1e3 * wall / forwards, 2), "first_run": first,
+                      "steady_share": round(steady[0] / steady[1], 4) if steady[1] else None,
+                      "first_10_forwards_ms": round(1e3 * first10 / ARGS.runs, 2),
                       "threads": ARGS.threads, "backend": ARGS.backend, "model": ARGS.model,
                       "config": sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("KVCANARY_"))}))
 
