@@ -191,8 +191,13 @@ def affine_scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def word_keys(source: int, num_words: int, device: torch.device) -> torch.Tensor:
     """Per-word keys ``key(source, j)`` for ``j < num_words`` as int64 ``[num_words]``."""
-    j = torch.arange(num_words, dtype=torch.int64, device=device)
-    return fmix64(((source << 32) | j) ^ signed(KEY_SALT))
+    return _keys(torch.full((num_words,), source, dtype=torch.int64, device=device),
+                 torch.arange(num_words, dtype=torch.int64, device=device))
+
+
+def _keys(source: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+    """``key(source, word)`` elementwise (:func:`py_word_key`)."""
+    return fmix64(((source << 32) | word) ^ signed(KEY_SALT))
 
 
 def all_word_keys(counts: list[int]) -> torch.Tensor:
@@ -200,8 +205,7 @@ def all_word_keys(counts: list[int]) -> torch.Tensor:
     words one after another, as int64 on the CPU, in one vectorised pass (not one per source)."""
     n = torch.tensor(counts, dtype=torch.int64)
     src = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), n)
-    j = torch.arange(int(n.sum()), dtype=torch.int64) - (torch.cumsum(n, 0) - n)[src]
-    return fmix64(((src << 32) | j) ^ signed(KEY_SALT))
+    return _keys(src, torch.arange(int(n.sum()), dtype=torch.int64) - (torch.cumsum(n, 0) - n)[src])
 
 
 def wmix(x: torch.Tensor) -> torch.Tensor:

@@ -110,18 +110,14 @@ class SchedulerSide:
             blocks = freed_of.get(g.index)
             if not blocks:
                 continue
-            if export:
-                slots = g.block_slots(blocks)
-                # the offloading manager frees a victim's blocks before it copies them out: keep their
-                # stamps until the next forward, for the offload hook
-                was = g.canary.export_stamps(slots)
-                if was is not None:
-                    freed = self.freed_stamps.setdefault(name, {})
-                    bs = g.block_size
-                    freed.update((b, was[i * bs : (i + 1) * bs]) for i, b in enumerate(blocks))
-                g.canary.release(slots)
-            else:
-                g.canary.release_blocks(blocks, g.block_size)
+            # the offloading manager frees a victim's blocks before it copies them out: keep their stamps
+            # until the next forward, for the offload hook
+            was = g.canary.export_stamps(g.block_slots(blocks)) if export else None
+            if was is not None:
+                bs = g.block_size
+                self.freed_stamps.setdefault(name, {}).update(
+                    (b, was[i * bs : (i + 1) * bs]) for i, b in enumerate(blocks))
+            g.canary.release_blocks(blocks, g.block_size)
             self.quarantine.freed(name, blocks)
 
     @hook("the pool-reset hook")
