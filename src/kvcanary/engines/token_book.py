@@ -158,7 +158,8 @@ class TokenBook:
     def _flat_view(buf: torch.Tensor) -> memoryview:
         """``buf``'s memory as one flat run of int64 items (row ``r``, position ``p``: item ``r *
         width + p``), for writes of a few tokens."""
-        return memoryview(buf.numpy()).cast("B").cast("q")
+        array: Any = buf.numpy()  # numpy arrays are buffers; its stubs do not say so
+        return memoryview(array).cast("B").cast("q")
 
     def _touched(self, rows: np.ndarray, positions: np.ndarray) -> None:
         """Remember entries written, for the device copies (callers skip making the index arrays

@@ -104,8 +104,8 @@ class SchedulerSide:
             return
         frees, self.frees = self.frees, []
         freed_of: dict[int, list[int]] = {}
-        for index, blocks in frees:
-            freed_of.setdefault(index, []).extend(blocks)
+        for index, noted in frees:
+            freed_of.setdefault(index, []).extend(noted)
         for name, g in self.groups.items():
             blocks = freed_of.get(g.index)
             if not blocks:
