@@ -240,3 +240,31 @@ def test_without_a_budget_every_forward_checks_every_layer_s_writes():
         b.plan("decode")
         b.observe(64, 1e-3, 10e-3, 5e-3)
         assert b.write_layers(30) == (0, 30)
+
+
+def test_the_first_forward_is_charged_what_the_canary_did_since_it_started(monkeypatch):
+    """EngineAudit.end on the first forward: the canary's seconds since the audit was made (a new
+    pool's setup, the prefill's stamps) against the wall time since, so the budget pays them back
+    in the forwards after it; a forward whose canary kept to its share owes nothing."""
+    from types import SimpleNamespace
+
+    from kvcanary import config as cfg
+    from kvcanary.engines import audit as engine_audit
+
+    def first_forward(setup: float) -> float:
+        clock = [100.0]
+        monkeypatch.setattr(engine_audit, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+        adapter = SimpleNamespace(config=cfg.CanaryConfig(audit_budget=0.01), seconds=0.0)
+        audit = engine_audit.EngineAudit(adapter, 4)
+        clock[0] += setup  # the setup, in the canary's hooks
+        adapter.seconds += setup
+        n = audit.budget.plan(0)
+        audit.fa, audit._opened, audit.spent = SimpleNamespace(queries=[0] * n), clock[0], n * 10e-6
+        clock[0] += 100e-3  # a 100 ms forward
+        adapter.seconds += n * 10e-6
+        audit.end()
+        return audit.budget.balance
+
+    # 10 ms of setup and 64 queries at 10 us against 1 % of 110 ms: 9.5 ms owed
+    assert first_forward(10e-3) == pytest.approx(0.01 * 110e-3 - 10.64e-3)
+    assert first_forward(0.0) == pytest.approx(0.01 * 100e-3 - 0.64e-3)

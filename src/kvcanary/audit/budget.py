@@ -3,7 +3,8 @@ after its other checks, with more where something is new.
 
 On a forward in a known situation the count follows the time budget (``CanaryConfig.audit_budget``,
 the share of the run's wall time the whole canary may take): after each forward the canary's
-measured seconds since the last one (every check, the write check and the audit's queries among
+measured seconds since the last one (the first forward: since the canary started, a new pool's setup
+too; every check, the write check and the audit's queries among
 them) are set against the wall time since then and kept as a balance (what the canary spent over or
 under its share, saved up to one forward's share, owed up to ten), and the next forward audits as
 many queries as its share and the balance pay for, after the canary's other work of the last

@@ -66,7 +66,10 @@ class EngineAudit:
         self.budget = QueryBudget(cfg.audit_queries, cfg.audit_budget)
         self.spent = 0.0
         self._opened = 0.0  # when this forward's audit was planned
-        self._last: tuple[float, float] | None = None  # the wall clock and the canary's seconds at the last end
+        # the wall clock and the canary's seconds at the last forward's end; before the first, from here, so the
+        # first forward is charged everything the canary did since it started (a new pool's setup, a prefill's
+        # stamps: a hundredth of a short run on a trained model)
+        self._last = (time.perf_counter(), 0.0)
         self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
         self._tokens: tuple[np.ndarray, torch.Tensor] | None = None  # 0 .. n-1 on the host and the device, grown
         self._results: np.ndarray | None = None  # the one call's write-check results, reused (run_compiled)
@@ -289,12 +292,9 @@ class EngineAudit:
         every check, this forward's audit among them) against the wall time since then."""
         self.settle()
         now, canary = time.perf_counter(), float(getattr(self.adapter, "seconds", 0.0))
-        if self.fa is not None and self._opened:
+        if self.fa is not None and self._opened:  # an idle gap saves up at most one forward's share (the balance's bound)
             last = self._last
-            if last is None:  # the first forward: the audit's own time against the forward's
-                self.budget.observe(len(self.fa.queries), self.spent, now - self._opened)
-            else:  # an idle gap saves up at most one forward's share (the balance's bound)
-                self.budget.observe(len(self.fa.queries), self.spent, now - last[0], canary - last[1])
+            self.budget.observe(len(self.fa.queries), self.spent, now - last[0], canary - last[1])
         self._last = (now, canary)
         self.fa = None
         self._opened = 0.0
