@@ -86,8 +86,8 @@ def _window(d, part, num_slots, src, runs, keys, cur, k, n):  # type: ignore[no-
         first[r + 1] = first[r] + hi - lo
     slots = np.full(k, -1, dtype=np.int64)
     r = 0
+    e = cur  # (cur + j) mod n, counted along
     for j in range(k):
-        e = (cur + j) % n
         if e < first[r]:  # wrapped round to the first entry
             r = 0
         while e >= first[r + 1]:
@@ -95,6 +95,9 @@ def _window(d, part, num_slots, src, runs, keys, cur, k, n):  # type: ignore[no-
         s = lookup(d, r, lows[r] + e - first[r])
         if 0 <= s < num_slots:
             slots[j] = s
+        e += 1
+        if e == n:
+            e = 0
     return fold_slots(src, runs, keys, slots, k)
 
 
@@ -127,7 +130,9 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
     et, eesz, ers, ecs = d[ET], d[ET + 1], d[ET + 2], d[ET + 3]
     span, is_block, bs = d[SPAN], d[IS_BLOCK] != 0, d[BSIZE]
     lim = _LIM // bs
-    e = 0
+    # the read entry's place in the content window, (e - cur) mod n for the e-th entry, kept as a running
+    # count (a division per slot is dozens of cycles, thousands of slots a forward)
+    w = (n - cur) % n if n > 0 else 0
     nlinked = nreadable = nunknown = nsel = 0
     for r in range(nrows):
         lo, hi = _range(d, r, part)
@@ -190,11 +195,11 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
                     exp_tok = ld(et_row, eesz, pos * ecs)
                 if readable and exp_tok != -1 and s_tok != exp_tok:
                     checks |= _C_TOK
-            if mark and (e - cur) % n < k and not bad:
+            if mark and w < k and not bad:
                 mark_checked(led_at, led_before, slot, forward)
             exp_cont = np.int64(0)
-            if has_content and readable and (e - cur) % n < k:
-                exp_cont = conts[(e - cur) % n]
+            if has_content and readable and w < k:
+                exp_cont = conts[w]
                 nsel += 1
                 if s_cont != exp_cont:
                     checks |= _C_CONT
@@ -205,7 +210,9 @@ def _verify(d, stamps, num_slots, src, runs, keys, counters, cursor, content_slo
             nreadable += readable
             nunknown += unknown
             bad_p, unknown_p, link_p, slot_p = bad, unknown, s_link, slot  # type: ignore[assignment]
-            e += 1
+            w += 1
+            if w == n:
+                w = 0
     if has_content:
         bump(counters, _K_CSLOTS, nsel)
         bump(counters, _K_CSKIP, n - k)
