@@ -21,6 +21,7 @@ SMALL = {
     "decode_forward.py": ["--repeats", "1", "--new-tokens", "8", "--backends", "fused"],
     "ops.py": ["--quick", "--repeats", "1", "--backends", "torch,fused"],
     "vllm_gpu_layouts.py": ["--device", "cpu"],  # the Triton kernels under the interpreter
+    "audit_loop.py": ["--repeat", "2"],  # the trained model's first forwards
 }
 
 
