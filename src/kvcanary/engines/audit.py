@@ -69,7 +69,7 @@ class EngineAudit:
         # the wall clock and the canary's seconds at the last forward's end; before the first, from here, so the
         # first forward is charged everything the canary did since it started (a new pool's setup, a prefill's
         # stamps: a hundredth of a short run on a trained model)
-        self._last = (time.perf_counter(), 0.0)
+        self._last = (time.perf_counter(), float(getattr(self.adapter, "seconds", 0.0)))
         self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
         self._tokens: tuple[np.ndarray, torch.Tensor] | None = None  # 0 .. n-1 on the host and the device, grown
         self._results: np.ndarray | None = None  # the one call's write-check results, reused (run_compiled)
