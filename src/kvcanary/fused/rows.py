@@ -14,60 +14,56 @@ from numba.extending import intrinsic
 
 from kvcanary.audit.tables import (D_BLOCK, D_BLOCK_STRIDE, D_DIM_STRIDE, D_STRIP, D_STRIP_STRIDE, D_TILE,
                                    D_TILE_STRIDE, D_TOKEN_STRIDE)
-from kvcanary.fused._core import JIT, u16_pointer, u32_pointer
+from kvcanary.fused._core import JIT, ld_u16, ld_u32, u16_pointer, u32_pointer
 from kvcanary.fused.cache import njit
 
 
-@intrinsic
-def ld_f32(typingctx, addr):  # type: ignore[no-untyped-def]
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        v = builder.load(builder.inttoptr(args[0], ir.FloatType().as_pointer()), align=1)
-        return builder.fpext(v, ir.DoubleType())
-
-    return types.float64(types.int64), codegen
-
-
-@intrinsic
-def ld_f16(typingctx, addr):  # type: ignore[no-untyped-def]
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        v = builder.load(builder.inttoptr(args[0], ir.HalfType().as_pointer()), align=1)
-        return builder.fpext(v, ir.DoubleType())
-
-    return types.float64(types.int64), codegen
-
-
-@intrinsic
-def ld_bf16(typingctx, addr):  # type: ignore[no-untyped-def]
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        bits = builder.load(builder.inttoptr(args[0], ir.IntType(16).as_pointer()), align=1)
-        wide = builder.shl(builder.zext(bits, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.fpext(builder.bitcast(wide, ir.FloatType()), ir.DoubleType())
-
-    return types.float64(types.int64), codegen
-
-
 def _value_of(bits: int, fp16: bool):  # type: ignore[no-untyped-def]
-    """An intrinsic giving a float's bits (a ``uint16`` or ``uint32``) as a float64: bfloat16 (16 bits
-    put on top of a float32's), float16 or float32. An operation on a value, which the compiler puts
-    in vectors where a loop loads the bits through an array (loads through raw addresses stay single)."""
+    """An intrinsic giving a float's bits (any integer, its low ``bits`` taken) as a float64: bfloat16
+    (16 bits put on top of a float32's), float16 or float32. An operation on a value, which the
+    compiler puts in vectors where a loop loads the bits through an array (loads through raw
+    addresses stay single)."""
     @intrinsic
     def value(typingctx, raw):  # type: ignore[no-untyped-def]
+        if not isinstance(raw, types.Integer):
+            return None
+
         def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            v = args[0]
+            if v.type.width > bits:
+                v = builder.trunc(v, ir.IntType(bits))
+            elif v.type.width < bits:
+                v = builder.zext(v, ir.IntType(bits))
             if fp16:
-                f = builder.bitcast(args[0], ir.HalfType())
+                f = builder.bitcast(v, ir.HalfType())
             elif bits == 16:
-                wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-                f = builder.bitcast(wide, ir.FloatType())
+                f = builder.bitcast(builder.shl(builder.zext(v, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)),
+                                    ir.FloatType())
             else:
-                f = builder.bitcast(args[0], ir.FloatType())
+                f = builder.bitcast(v, ir.FloatType())
             return builder.fpext(f, ir.DoubleType())
 
-        return types.float64(types.uint16 if bits == 16 else types.uint32), codegen
+        return types.float64(raw), codegen
 
     return value
 
 
 bf16_value, f16_value, f32_value = _value_of(16, False), _value_of(16, True), _value_of(32, False)
+
+
+@njit(inline="always", **JIT)
+def ld_f32(addr):  # type: ignore[no-untyped-def]
+    return f32_value(ld_u32(addr))
+
+
+@njit(inline="always", **JIT)
+def ld_f16(addr):  # type: ignore[no-untyped-def]
+    return f16_value(ld_u16(addr))
+
+
+@njit(inline="always", **JIT)
+def ld_bf16(addr):  # type: ignore[no-untyped-def]
+    return bf16_value(ld_u16(addr))
 
 
 @njit(inline="always", **JIT)
