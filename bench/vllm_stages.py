@@ -45,7 +45,7 @@ STAGES = [
     ("kvcanary.engines.vllm.wide", "", "attend", "per-layer wrapper (the engine's attention excluded)"),
     # the attention patch's direct path (a layer the forward's plan has seen): the same stage
     ("kvcanary.engines.vllm.wide", "WideForward", "attend", "per-layer wrapper (the engine's attention excluded)"),
-    ("kvcanary.engines.vllm.wide", "WideForward", "before", "  before attention (write check, fold)"),
+    ("kvcanary.engines.vllm.wide", "WideForward", "before", "  before attention, off the plain path (write check, fold)"),
     ("", "", "", "    compiled call (write check, fold)"),
     ("kvcanary.engines.vllm.wide", "WideForward", "keep", "  after attention (audited rows copied)"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.after_forward", "__wrapped__", "after-forward hook"),
@@ -91,7 +91,7 @@ LATE = ("kvcanary.fused", "kvcanary.engines.vllm.compiled")
 WRAPPER = "per-layer wrapper (the engine's attention excluded)"
 CANARY = ("before-forward hook", "position check", WRAPPER, "after-forward hook")
 PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call", WRAPPER,
-            "  before attention (write check, fold)", "    compiled call (write check, fold)",
+            "  before attention, off the plain path (write check, fold)", "    compiled call (write check, fold)",
             "  after attention (audited rows copied)")
 
 

@@ -44,10 +44,10 @@ def rows_of(md: Any, reqs: list, book: Any, qsl: np.ndarray, seq: np.ndarray) ->
     return rows, rids, book_rows, new
 
 
-def step_of(md: Any, rows: Any, block_size: int, window: int | None, landed: np.ndarray) -> Step:
+def step_of(md: Any, rows: Any, block_size: int, window: int | None, landed: np.ndarray | None) -> Step:
     """:func:`~kvcanary.engines.vllm.steps.build_step` for one group's metadata ``md`` (``rows``: the
     forward's :class:`~kvcanary.engines.vllm.steps.Rows`; ``landed``: per row, where KV another
-    connector lands starts, -1: none)."""
+    connector lands starts, -1: none; ``None``: no row's)."""
     qsl = md.query_start_loc
     r = qsl.shape[0] - 1
     n = int(md.num_actual_tokens)
@@ -61,5 +61,6 @@ def step_of(md: Any, rows: Any, block_size: int, window: int | None, landed: np.
                 expected_tokens=rows.record, expected_rows=rows.record_rows, read_starts=read_starts(cached, window),
                 written_from=wf)
     written_from(step, wf)  # in place: the step's checked shapes and descriptor carry over to the canary
-    np.minimum(wf.numpy(), np.where(landed >= 0, landed, cached.numpy()), out=wf.numpy())
+    w, c = wf.numpy(), cached.numpy()
+    np.minimum(w, c if landed is None else np.where(landed >= 0, landed, c), out=w)
     return step

@@ -130,12 +130,16 @@ def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: 
     positions the kernel reads before the forward; reads of slots the step itself writes, and of KV
     another connector lands this step, from ``written_from``. On CPU metadata with the fused path
     (``fused=None``: whenever it is available) built by compiled loops."""
+    # the rows another connector lands KV for, where any does (most forwards: none, and no array made)
+    landing = any(x is not None and x.landed_from >= 0 for x in rows.reqs)
     lands = np.fromiter((x.landed_from if x is not None and x.landed_from >= 0 else -1 for x in rows.reqs),
-                        dtype=np.int64, count=len(rows.reqs))
+                        dtype=np.int64, count=len(rows.reqs)) if landing else None
     if _fused(md, fused):
         from kvcanary.engines.vllm.compiled import step_of
 
         return step_of(md, rows, block_size, window, lands)
+    if lands is None:
+        lands = np.full(len(rows.reqs), -1, dtype=np.int64)
     qsl = md.query_start_loc.long()
     r = qsl.shape[0] - 1
     n = int(md.num_actual_tokens)

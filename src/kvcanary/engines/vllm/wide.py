@@ -17,6 +17,10 @@ from kvcanary.engines.audit import NO_QUERIES, NO_TOKENS
 from kvcanary.engines.vllm.fold import Fold
 
 NOTHING, KEEP, CHECK = 0, 1, 2  # what is left of a layer's checks after its attention (WideForward.before)
+# a forward without audited queries: no copies, no pointers, no layer with queries (never written)
+NO_KEPT = np.zeros((0, 2, 0), dtype=np.uint8)
+NO_PTRS = np.zeros((0, 4), dtype=np.int64)
+NO_LAYERS: frozenset[int] = frozenset()
 
 
 class Planner(Protocol):
@@ -53,6 +57,8 @@ class WideBase:
         self.by_layer: dict[Any, tuple[int, Any]] = {}  # the same by the layer's module, once seen by name
         self.by_number = {c.number: (i, c) for i, c in enumerate(statics)}
         self.numbers = [c.number for c in statics]  # each row's layer number and group, for the records
+        # the rows a forward's plain path may take (WideForward.attend): checked layers that write their own KV
+        self.plain = bytes(int(c.checked and c.writes) for c in statics)
         self.groups = groups
         from kvcanary.fused import keep  # numba: imported once the engine runs
 
@@ -84,16 +90,24 @@ class WideForward:
         self.write = False  # this forward checks writes (set by plan)
         self.checks = bytes(len(names))  # the layer rows whose writes it checks (set by plan)
         self.trusted = 0  # layers whose new tokens were folded from their computed rows unchecked
-        self.half = np.zeros((len(names), len(toks)), dtype=np.int64)
-        self.head = np.zeros_like(self.half)
-        self.kept = np.zeros((max(len(qt), 1), 2, width), dtype=np.uint8)
+        # each numpy call costs microseconds right after the engine's matrix products: the write check's
+        # two tables in one array, and the audited queries' copies and pointers only where there are some
+        self.half, self.head = np.zeros((2, len(names), len(toks)), dtype=np.int64)
+        self.kept = np.zeros((len(qt), 2, width), dtype=np.uint8) if len(qt) else NO_KEPT
         self.kept_at = self.kept.__array_interface__["data"][0]  # (ndarray.ctypes costs microseconds)
         self.md: Any = None  # the last metadata seen, and whether its attention is causal
         self.md_causal = True
+        self.md_plain: Any = None  # the last metadata seen where it is causal (the plain path's)
+        # the first layer's K and V strides and dtypes, once seen (the plain path's)
+        self.kst: Any = None
+        self.vst: Any = None
+        self.kdt: Any = None
+        self.vdt: Any = None
+        self.plain = base.plain
         self.keep_layer = base.keep_layer()  # looked up each forward (a fault may replace them)
         self.keep_queries = base.fused.keep_queries
-        self.ptrs = np.zeros((len(names), 4), dtype=np.int64)
-        self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else set()  # the layer rows with queries
+        self.ptrs = np.zeros((len(names), 4), dtype=np.int64) if len(qt) else NO_PTRS
+        self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else NO_LAYERS  # the layer rows with queries
         self.wrote: list[int] = []
         self.st = np.zeros(STRIDE_COLUMNS, dtype=np.int64)  # the layers' tensors' strides, from the first one's
         self.shape: tuple[Any, ...] | None = None  # the first layer's K and V strides and dtypes
@@ -149,6 +163,7 @@ class WideForward:
         li, c = got
         if md is not self.md:  # a group's layers share one metadata object a forward: its checks once
             self.md, self.md_causal = md, getattr(md, "causal", True) and getattr(md, "dynamic_causal", None) is None
+            self.md_plain = md if self.md_causal else None
         if not c.checked or not self.md_causal:
             return NOTHING
         if output is None:
@@ -162,6 +177,7 @@ class WideForward:
             if self.shape is None and key.dtype == value.dtype == query.dtype == output.dtype == c.dtype:
                 out3 = output.view(output.shape[0], c.heads, -1)
                 self.shape = kv
+                self.kst, self.vst, self.kdt, self.vdt = kv
                 self.qo_shape = (query.stride(), output.stride(), output.shape, query.dtype, output.dtype, c.heads)
                 self.st[:] = strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2) \
                     + strides(out3, 0, 1, 2)
@@ -193,7 +209,21 @@ class WideForward:
         charged to ``clock``; a failure of the canary's own goes to the audit's ``failed``."""
         after = NOTHING
         try:
-            after = self.before(got, query, key, value, md, output)
+            li = got[0]
+            # the plain path: a layer that writes its own KV, seen once, without audited queries, with the
+            # metadata, strides and dtypes of the layers before it: its write check and fold, as before() would
+            if (md is self.md_plain and self.plain[li] and li not in self.audited and not self._seen[li]
+                    and key.stride() == self.kst and value.stride() == self.vst and key.dtype is self.kdt
+                    and value.dtype is self.vdt):
+                self._seen[li] = 1
+                check = self.checks[li] if self.write else 0
+                self.keep_layer(self.at_address, li, key.data_ptr(), value.data_ptr(), check)
+                if check:
+                    self.wrote.append(li)
+                elif self.write:
+                    self.trusted += 1
+            else:
+                after = self.before(got, query, key, value, md, output)
         except Exception as e:
             self.audit.failed(e)
         self.clock[0] += time.perf_counter() - t0
