@@ -140,11 +140,12 @@ def test_the_keep_folds_a_token_from_its_rows_only_where_they_equal_the_cache(is
             head = np.full_like(half, -1)
             ka, va = (k.data_ptr(), v.data_ptr()) if write else (0, 0)
             if call == "arrays":
-                keep_layer(layers, 0, ka, va, int(check), st, steps, toks, half, head, *fold.layer(0))
+                differ = keep_layer(layers, 0, ka, va, int(check), st, steps, toks, half, head, *fold.layer(0))
             else:
                 at = keep_tables(layers, st, steps, toks, half, head, *fold.layer(0))
-                (keep_layer_at if call == "address" else entry)(at.__array_interface__["data"][0], 0, ka, va,
-                                                                 int(check))
+                differ = (keep_layer_at if call == "address" else entry)(at.__array_interface__["data"][0], 0, ka,
+                                                                         va, int(check))
+            assert differ == np.count_nonzero(half)  # the checked tokens whose write differs, counted
             got.append((fold.acc[0].copy(), fold.cnt[0].copy(), half[0], head[0]))
         (acc, cnt, half, head), *again = got
         assert all((a == b).all() for other in again for a, b in zip(got[0], other))

@@ -78,7 +78,8 @@ def keep_layer(layers, lay, ka, va, check, strides, steps, toks, half, head, fsr
     0``, ``frkeys``), a token is folded from those rows (a loop the compiler vectorises) where its
     write check found the cache equal to them, or where its writes are not checked (``check`` 0: the
     fingerprint is then of what the layer meant to write, and a wrong write is found later by the
-    content verify); any other token from the cache."""
+    content verify); any other token from the cache. Returns the number of checked tokens whose
+    write differs (their ``half`` entries not 0)."""
     c = layers[lay]
     g = c[L_STEP]
     step = steps[g]
@@ -95,10 +96,13 @@ def keep_layer(layers, lay, ka, va, check, strides, steps, toks, half, head, fsr
             if frow[i, 0] < 0:
                 rows = False
     ft = 0
+    differ = 0
     for i in range(nw):
         t = toks[i]
         hf, first = check_write(c, ka, va, strides, step, t)
         hrow[i], drow[i] = hf, first
+        if hf != 0:
+            differ += 1
         while ft < t and ft < nf:  # a token whose write is not checked: from the cache
             _fold_token(c, step, g, ft, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
             ft += 1
@@ -113,6 +117,7 @@ def keep_layer(layers, lay, ka, va, check, strides, steps, toks, half, head, fsr
             _fold_rows(c, step, g, t, f0, f1, frow, frkeys, ka, va, strides, facc, fcnt)
         else:
             _fold_token(c, step, g, t, f0, f1, fsrc, fruns, fkeys, facc, fcnt)
+    return differ
 
 
 # keep_layer's tables, in its order, for keep_layer_at: each one's name, dimensions and dtype
@@ -197,9 +202,9 @@ def keep_layer_at(tables, lay, ka, va, check):  # type: ignore[no-untyped-def]
     """:func:`keep_layer` with its tables given by address (``tables``: the address of
     :func:`keep_tables`' array): the call runs inside every layer, where the dispatcher's checks of
     14 arrays cost more than the write check of a decode batch; five integers cost it a fraction,
-    and nothing through :func:`direct`."""
+    and nothing through :func:`direct`. Returns what :func:`keep_layer` returns."""
     at = carray(i64_pointer(tables), 3 * NUM_TABLES)
-    keep_layer(_i2(at, 0), lay, ka, va, check, _i1(at, 1), _i2(at, 2), _i1(at, 3), _i2(at, 4), _i2(at, 5), _i2(at, 6),
+    return keep_layer(_i2(at, 0), lay, ka, va, check, _i1(at, 1), _i2(at, 2), _i1(at, 3), _i2(at, 4), _i2(at, 5), _i2(at, 6),
                _i1(at, 7), _u1(at, 8), _i2(at, 9), _i2(at, 10), _u1(at, 11), _u2(at, 12), _i2(at, 13))
 
 

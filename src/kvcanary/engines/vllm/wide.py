@@ -60,6 +60,9 @@ class WideBase:
         # the rows a forward's plain path may take (WideForward.attend): checked layers that write their own KV
         self.plain = bytes(int(c.checked and c.writes) for c in statics)
         self.groups = groups
+        # the loops' strides (WideForward.st) by the first layer's K and V strides and dtypes and its query's
+        # and output's (WideForward.before): the same every forward of one shape
+        self.loop_strides: dict[tuple[Any, Any], np.ndarray] = {}
         from kvcanary.fused import keep  # numba: imported once the engine runs
 
         self.fused = keep  # the per-layer calls
@@ -90,6 +93,7 @@ class WideForward:
         self.write = False  # this forward checks writes (set by plan)
         self.checks = bytes(len(names))  # the layer rows whose writes it checks (set by plan)
         self.trusted = 0  # layers whose new tokens were folded from their computed rows unchecked
+        self.differ = False  # a checked write differs (the per-layer call's count was not 0)
         # each numpy call costs microseconds right after the engine's matrix products: the write check's
         # two tables in one array, and the audited queries' copies and pointers only where there are some
         self.half, self.head = np.zeros((2, len(names), len(toks)), dtype=np.int64)
@@ -172,15 +176,21 @@ class WideForward:
         # the K and V the write check reads, and for a layer with audited queries the query and output
         # rows kept after its attention, as the forward's first layer's (the strides the loops take)
         kv = (key.stride(), value.stride(), key.dtype, value.dtype)
-        if kv != self.shape or (audited and (query.stride(), output.stride(), output.shape, query.dtype, output.dtype,
-                                             c.heads) != self.qo_shape):
+        if kv != self.shape or (audited and (query.stride(), output.stride(), output.shape[1:], query.dtype,
+                                             output.dtype, c.heads) != self.qo_shape):
             if self.shape is None and key.dtype == value.dtype == query.dtype == output.dtype == c.dtype:
-                out3 = output.view(output.shape[0], c.heads, -1)
                 self.shape = kv
                 self.kst, self.vst, self.kdt, self.vdt = kv
-                self.qo_shape = (query.stride(), output.stride(), output.shape, query.dtype, output.dtype, c.heads)
-                self.st[:] = strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2) \
-                    + strides(out3, 0, 1, 2)
+                qo = self.qo_shape = (query.stride(), output.stride(), output.shape[1:], query.dtype, output.dtype,
+                                      c.heads)
+                # the loops' strides, made once per shape (the forwards after the first find them)
+                st = self.base.loop_strides.get((kv, qo))
+                if st is None:
+                    out3 = output.view(output.shape[0], c.heads, -1)
+                    st = self.base.loop_strides[(kv, qo)] = np.array(
+                        strides(key, 0, 1, 2) + strides(value, 0, 1, 2) + strides(query, 0, 1, 2)
+                        + strides(out3, 0, 1, 2), dtype=np.int64)
+                self.st[:] = st
             else:
                 return CHECK
         if self._seen[li]:  # a layer seen twice: the fold is off from here
@@ -190,7 +200,8 @@ class WideForward:
         # the layer's computed rows go in for its fold wherever it writes its own KV, checked or not
         check = self.write and self.checks[li]
         if c.writes:
-            self.keep_layer(self.at_address, li, key.data_ptr(), value.data_ptr(), check)
+            if self.keep_layer(self.at_address, li, key.data_ptr(), value.data_ptr(), check):
+                self.differ = True
             if check:
                 self.wrote.append(li)
             elif self.write:
@@ -217,7 +228,8 @@ class WideForward:
                     and value.dtype is self.vdt):
                 self._seen[li] = 1
                 check = self.checks[li] if self.write else 0
-                self.keep_layer(self.at_address, li, key.data_ptr(), value.data_ptr(), check)
+                if self.keep_layer(self.at_address, li, key.data_ptr(), value.data_ptr(), check):
+                    self.differ = True
                 if check:
                     self.wrote.append(li)
                 elif self.write:
@@ -263,9 +275,8 @@ class WideForward:
             check_forward(self.table, self.ptrs, st, self.steps, NO_TOKENS, self.qt, self.fl, none, none, fa.err,
                           fa.shift, fa.tol, True)
         rows = self.wrote
-        # a record only where a write differs (the drain reads nothing else of it); the rows of the layers not
-        # checked are zero in these fresh arrays, so one count tells
-        if rows and np.count_nonzero(self.half):
+        # a record only where a write differs (the drain reads nothing else of it), as the per-layer calls counted
+        if rows and self.differ:
             if len(rows) == len(self.names) and len(set(rows)) == len(rows):  # every row once: the arrays as they are
                 b = self.base
                 fa.writes.append(Writes(b.numbers, b.groups, self.toks, self.half, self.head))
