@@ -204,8 +204,9 @@ def keep_layer_at(tables, lay, ka, va, check):  # type: ignore[no-untyped-def]
     14 arrays cost more than the write check of a decode batch; five integers cost it a fraction,
     and nothing through :func:`direct`. Returns what :func:`keep_layer` returns."""
     at = carray(i64_pointer(tables), 3 * NUM_TABLES)
-    return keep_layer(_i2(at, 0), lay, ka, va, check, _i1(at, 1), _i2(at, 2), _i1(at, 3), _i2(at, 4), _i2(at, 5), _i2(at, 6),
-               _i1(at, 7), _u1(at, 8), _i2(at, 9), _i2(at, 10), _u1(at, 11), _u2(at, 12), _i2(at, 13))
+    return keep_layer(_i2(at, 0), lay, ka, va, check, _i1(at, 1), _i2(at, 2), _i1(at, 3), _i2(at, 4), _i2(at, 5),
+                      _i2(at, 6), _i1(at, 7), _u1(at, 8), _i2(at, 9), _i2(at, 10), _u1(at, 11), _u2(at, 12),
+                      _i2(at, 13))
 
 
 KEEP_LAYER_AT = (types.int64,) * 5  # keep_layer_at's one signature: its five arguments, integers

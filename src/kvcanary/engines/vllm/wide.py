@@ -198,17 +198,23 @@ class WideForward:
             self._tables()
         self._seen[li] = 1
         # the layer's computed rows go in for its fold wherever it writes its own KV, checked or not
-        check = self.write and self.checks[li]
         if c.writes:
-            if self.keep_layer(self.at_address, li, key.data_ptr(), value.data_ptr(), check):
-                self.differ = True
-            if check:
-                self.wrote.append(li)
-            elif self.write:
-                self.trusted += 1
+            self._keep_written(li, key, value)
         else:
             self.keep_layer(self.at_address, li, 0, 0, 0)
         return KEEP if audited else NOTHING
+
+    def _keep_written(self, li: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The per-layer call for the layer of row ``li``, which writes its own KV (``key``, ``value``:
+        its computed rows): its write check where this forward checks that row, and its fold; what it
+        found noted (a write that differs, the rows checked, the layers folded unchecked)."""
+        check = self.checks[li] if self.write else 0
+        if self.keep_layer(self.at_address, li, key.data_ptr(), value.data_ptr(), check):
+            self.differ = True
+        if check:
+            self.wrote.append(li)
+        elif self.write:
+            self.trusted += 1
 
     def attend(self, got: tuple[int, Any], t0: float, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> Any:
@@ -227,13 +233,7 @@ class WideForward:
                     and key.stride() == self.kst and value.stride() == self.vst and key.dtype is self.kdt
                     and value.dtype is self.vdt):
                 self._seen[li] = 1
-                check = self.checks[li] if self.write else 0
-                if self.keep_layer(self.at_address, li, key.data_ptr(), value.data_ptr(), check):
-                    self.differ = True
-                if check:
-                    self.wrote.append(li)
-                elif self.write:
-                    self.trusted += 1
+                self._keep_written(li, key, value)
             else:
                 after = self.before(got, query, key, value, md, output)
         except Exception as e:
