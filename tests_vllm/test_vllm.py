@@ -54,6 +54,9 @@ def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, plain,
     assert run["loop_signatures_added"] == []  # kvcanary warmup compiled every loop a default run calls
     # every forward audited (at least one query each), all but the first in one compiled call after it
     assert st["audit_queries"] >= st["forwards"] and st["audit_forwards_one_call"] >= st["forwards"] - 1 > 0
+    # forwards without audited queries ran on the last forward's plan (its tables kept), and the
+    # full scrub above found their folded stamps right
+    assert st["audit_plans_reused"] > 0
     if "num_blocks" in cfg:
         assert run["preemptions"] > 0  # the small pool did force preemption
     if not cfg:  # one batch of shared prefixes: prefix hits computed in the same forward, verified after it

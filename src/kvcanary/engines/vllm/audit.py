@@ -144,6 +144,9 @@ class VllmAudit(EngineAudit):
         self.torch_layers = 0  # covered layers of a compiled canary whose cache the compiled loops cannot read
         self.one_call = 0  # forwards whose queries were checked in one call after the forward
         self._wide: WideForward | None = None  # this forward's checks, kept for one compiled call after it
+        # the last forward's plan, where the next may run on it again (WideForward.reusable, again)
+        self._spare: WideForward | None = None
+        self.reused = 0  # forwards that ran on the last forward's plan
         # by the live groups: the covered layers, their layer table, floats and rows
         self._wide_base: dict[tuple[Any, ...], WideBase] = {}
         self._fold_tables: dict[tuple[Any, ...], FoldTables] = {}
@@ -266,7 +269,12 @@ class VllmAudit(EngineAudit):
                                                    [self.groups[n].name for n in layers])
             self._fold_tables[key] = fold_tables(live, layers, self.groups, getattr(self.adapter, "spans", {}),
                                                  self.geometry)
-        fold = Fold(self._fold_tables[key], [g.name for g in live], max(int(g.step.num_new) for g in live))
+        tokens = max(int(g.step.num_new) for g in live)
+        spare, self._spare = self._spare, None
+        if spare is not None and not queries and spare.again(self, live, base, tokens):
+            self.reused += 1
+            return spare  # the last forward's plan, its tables where they were
+        fold = Fold(self._fold_tables[key], [g.name for g in live], tokens)
         plan = WideForward.plan(self, live, base, queries, fold)
         plan.original = _ORIGINAL.get("forward")  # the engine's attention, for the patch's direct path
         return plan
@@ -302,6 +310,8 @@ class VllmAudit(EngineAudit):
         self.folded += plan.fold.whole()
         try:
             plan.finish(self)
+            if plan.reusable():  # the next forward without queries runs on it again (_deferred)
+                self._spare = plan
         except Exception as e:
             self.failed(e)
         finally:
@@ -317,6 +327,7 @@ class VllmAudit(EngineAudit):
 
     def failed(self, e: Exception) -> None:
         self._unset()
+        self._spare = None
         super().failed(e)
 
     def _unset(self) -> None:
@@ -421,7 +432,8 @@ class VllmAudit(EngineAudit):
         return got[1]
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "audit_forwards_one_call": self.one_call, "audit_layers_skipped": self.skipped,
+        return {**super().stats(), "audit_forwards_one_call": self.one_call, "audit_plans_reused": self.reused,
+                "audit_layers_skipped": self.skipped,
                 "audit_layers_torch": self.torch_layers, "content_folded_in_layers": self.folded}
 
     def close(self) -> None:

@@ -203,6 +203,14 @@ class Fold:
                      self.cnt)
         self._whole = tables.whole(groups)
         self._seen: set[int] = set()
+        self.voided = False  # a layer was seen twice: no sums this forward
+
+    def reset(self) -> None:
+        """The sums zeroed for another forward of the same groups and tokens (never after :meth:`void`)."""
+        assert not self.voided
+        self.acc.fill(0)
+        self.cnt.fill(0)
+        self._seen.clear()
 
     def layer(self, index: int) -> tuple[np.ndarray, ...]:
         """The keep's fold arguments for layer row ``index`` (none once a layer was seen twice)."""
@@ -213,6 +221,7 @@ class Fold:
 
     def void(self) -> None:
         """This forward's folds are not used (a layer seen twice): no sums, and none taken from here."""
+        self.voided = True
         self.cnt[:] = INVALID
         self.args = (*self.args[:6], self.acc[:, :0], self.cnt[:, :0])
 

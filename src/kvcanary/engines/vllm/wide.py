@@ -143,17 +143,55 @@ class WideForward:
             qt[:, Q_LOCAL] = np.arange(len(qt))  # each query's row of the kept copies
         else:  # a forward the budget audits no query of: no table made (it is never written)
             qt, sinks = NO_QUERIES, []
-        steps = describe(live[0].step)[None] if len(live) == 1 else np.stack([describe(g.step) for g in live])
+        # the plan's own array (again() copies the next forward's descriptors into it)
+        steps = describe(live[0].step)[None].copy() if len(live) == 1 else np.stack([describe(g.step) for g in live])
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
         fl = np.concatenate([base.fl, np.asarray(sinks, dtype=np.float64)]) if sinks else base.fl
         wide = cls(base, steps, qt, fl, toks, fold)
-        wide.audit = audit
-        wide.clock = audit.clock
-        wide.write = audit.write_tokens is not None
-        if wide.write:
-            rows = audit.write_rows
-            wide.checks = rows if rows is not None and len(rows) == len(base.names) else b"\x01" * len(base.names)
+        wide._arm(audit)
         return wide
+
+    def _arm(self, audit: Planner) -> None:
+        """This forward's audit, its clock and its write-checked layer rows."""
+        self.audit = audit
+        self.clock = audit.clock
+        self.write = audit.write_tokens is not None
+        if self.write:
+            rows, n = audit.write_rows, len(self.names)
+            self.checks = rows if rows is not None and len(rows) == n else b"\x01" * n
+
+    def reusable(self) -> bool:
+        """Whether the next forward may run on this plan again (:meth:`again`): it audited no query,
+        no checked write differed (no record holds its tables) and its folds stand."""
+        return not len(self.qt) and not self.differ and not self.fold.voided
+
+    def again(self, audit: Planner, live: list[Any], base: WideBase, fold_tokens: int) -> bool:
+        """This plan made ready for the next forward over the same live groups (``live``), ``base``
+        and ``fold_tokens`` new tokens, where that forward audits no query and checks the same
+        tokens' writes (:meth:`reusable` held after the last one): its tables stay where they are, so
+        the per-layer call's table of addresses is not made again; the steps' descriptors are copied
+        into its own, the folds' sums zeroed, the per-forward state reset. ``False`` (nothing
+        changed): the forward differs from this plan's in something its tables are shaped by."""
+        from kvcanary.fused._step import describe
+
+        toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
+        if (base is not self.base or len(live) != len(self.steps) or fold_tokens != self.fold.acc.shape[1]
+                or len(toks) != len(self.toks)
+                or toks.__array_interface__["data"][0] != self.toks.__array_interface__["data"][0]):
+            return False
+        for i, g in enumerate(live):
+            self.steps[i] = describe(g.step)
+        self.fold.reset()
+        self._seen[:] = bytes(len(self._seen))
+        self.trusted, self.differ, self.wrote = 0, False, []
+        self.md, self.md_causal, self.md_plain = None, True, None
+        self.shape = self.qo_shape = self.kst = self.vst = self.kdt = self.vdt = None
+        self.checks = bytes(len(self.names))
+        self.keep_layer = base.keep_layer()
+        self.keep_queries = base.fused.keep_queries
+        self.live = True
+        self._arm(audit)
+        return True
 
     def before(self, got: tuple[int, Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: Any,
                output: torch.Tensor | None) -> int:
