@@ -31,6 +31,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+OFF_PLAIN = "  layers off the plain path (the engine's attention excluded)"
+COMPILED = "    compiled call (write check, fold)"
 # (module, owner within it or "", attribute, stage name): each hook, then its parts
 STAGES = [
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.before_forward", "__wrapped__", "before-forward hook"),
@@ -42,11 +44,14 @@ STAGES = [
     ("kvcanary.engines.vllm.audit", "VllmAudit", "check_layer", "per-layer checks (write check, read audit)"),
     ("kvcanary.engines.audit", "EngineAudit", "run_compiled", "  compiled call"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.model_positions", "__wrapped__", "position check"),
-    ("kvcanary.engines.vllm.wide", "", "attend", "per-layer wrapper (the engine's attention excluded)"),
-    # the attention patch's direct path (a layer the forward's plan has seen): the same stage
-    ("kvcanary.engines.vllm.wide", "WideForward", "attend", "per-layer wrapper (the engine's attention excluded)"),
-    ("kvcanary.engines.vllm.wide", "WideForward", "before", "  before attention, off the plain path (write check, fold)"),
-    ("", "", "", "    compiled call (write check, fold)"),
+    # the layers' time is the canary's own clock less the hooks' (the plain path runs inside the attention
+    # patch, where no stage can wrap it); the layers off it are timed through their two entries
+    ("", "", "", "per-layer wrapper (the engine's attention excluded)"),
+    ("kvcanary.engines.vllm.wide", "", "attend", OFF_PLAIN),
+    ("kvcanary.engines.vllm.wide", "WideForward", "attend", OFF_PLAIN),
+    ("kvcanary.engines.vllm.wide", "WideForward", "before", "    before attention (write check, fold)"),
+    ("kvcanary.engines.vllm.wide", "WideForward", "keep_written", "  the written layers' calls (both paths)"),
+    ("", "", "", COMPILED),
     ("kvcanary.engines.vllm.wide", "WideForward", "keep", "  after attention (audited rows copied)"),
     ("kvcanary.engines.vllm.entry", "KvCanaryConnector.after_forward", "__wrapped__", "after-forward hook"),
     ("kvcanary.engines.vllm.audit", "VllmAudit", "finish", "  read audit after the forward (one call)"),
@@ -90,8 +95,9 @@ FINE = [
 LATE = ("kvcanary.fused", "kvcanary.engines.vllm.compiled")
 WRAPPER = "per-layer wrapper (the engine's attention excluded)"
 CANARY = ("before-forward hook", "position check", WRAPPER, "after-forward hook")
-PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call", WRAPPER,
-            "  before attention, off the plain path (write check, fold)", "    compiled call (write check, fold)",
+PER_CALL = ("per-layer checks (write check, read audit)", "  compiled call", WRAPPER, OFF_PLAIN,
+            "    before attention (write check, fold)", "  the written layers' calls (both paths)",
+            COMPILED,
             "  after attention (audited rows copied)")
 
 
@@ -113,18 +119,17 @@ def _install(spent: dict[str, float], calls: dict[str, int], stages: list[tuple[
         return wrapper
 
     for module, owner, attr, stage in stages:
-        if module.startswith(LATE) != late:
+        if module.startswith(LATE) != late or stage == WRAPPER:
             continue
         if not module:  # the compiled keep: each forward's plan holds it (numba loads with the engine, not before)
             from kvcanary.engines.vllm import wide
 
-            made = wide.WideForward.__init__
+            made = wide.WideBase.keep_layer
 
-            def init(self: Any, *a: Any, _made: Any = made, _stage: str = stage, **k: Any) -> None:
-                _made(self, *a, **k)
-                self.keep_layer = timed(self.keep_layer, _stage)
+            def entry(self: Any, _made: Any = made, _stage: str = stage) -> Any:  # each forward's plan's entry
+                return timed(_made(self), _stage)
 
-            wide.WideForward.__init__ = init  # type: ignore[method-assign]
+            wide.WideBase.keep_layer = entry  # type: ignore[method-assign]
             continue
         obj: Any = importlib.import_module(module)
         for part in filter(None, owner.split(".")):
@@ -135,7 +140,7 @@ def _install(spent: dict[str, float], calls: dict[str, int], stages: list[tuple[
             t = time.perf_counter()
             inner = [0.0]
             plan = None
-            if _stage == WRAPPER:  # the engine's attention left out: attend(audit, plan, got, t0, original, ...),
+            if _stage == OFF_PLAIN:  # the engine's attention left out: attend(audit, plan, got, t0, original, ...),
                 # or the plan's own attend(got, t0, ...), which calls the plan's ``original``
                 original = a[0].original if _method else a[4]
 
@@ -181,6 +186,9 @@ def child(cfg: dict[str, Any]) -> None:
     vllm_runner.process_canary = timed_from_here
     out = vllm_runner.run(cfg)
     st = out["stats"]
+    # the layers: the canary's clock (its hooks' and layers' seconds) less the timed hooks'
+    spent[WRAPPER] = st["canary_us"] / 1e6 - sum(spent[s] for s in CANARY if s != WRAPPER)
+    calls[WRAPPER] = calls[COMPILED] or calls[OFF_PLAIN]  # a call for each written layer
     print("RESULT " + json.dumps({"spent": spent, "calls": calls, "wall_s": out["generate_s"], "stats": st}),
           flush=True)
 

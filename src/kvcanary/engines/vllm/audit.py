@@ -75,8 +75,28 @@ def install() -> None:
         plan = ACTIVE[0]
         if (plan is not None and attn_metadata is not None and output_scale is None and output_block_scale is None
                 and not args and not kwargs and not TAPS):
+            # the plain path: a layer that writes its own KV (seen in an earlier forward), not yet seen in
+            # this one, without audited queries, with the metadata, K and V strides and dtypes of the layers
+            # before it (WideForward.before set them at the forward's first layer): its write check and fold
+            # only, with as few Python calls as there can be (each one's code and objects are cache
+            # misses after the layer's matrix products, 30 times a forward)
+            li = plan.plain_by_layer.get(layer)
+            if li is not None and plan.open[li] and attn_metadata is plan.md_plain and output is not None:
+                plain = False
+                try:
+                    if (key.stride() == plan.kst and value.stride() == plan.vst and key.dtype is plan.kdt
+                            and value.dtype is plan.vdt):
+                        plan.open[li] = 0
+                        plan.seen[li] = 1
+                        plain = True
+                        plan.keep_written(li, key, value)
+                except Exception as e:  # the canary's own failure: the plan is withdrawn, the engine runs on
+                    plan.audit.failed(e)
+                if plain:
+                    plan.clock[0] += time.perf_counter() - t0
+                    return plan.original(impl, layer, query, key, value, kv_cache, attn_metadata, output)  # type: ignore[misc]
             got = plan.by_layer.get(layer)
-            if got is not None and output is not None:  # a layer this forward's plan has seen: checked as planned
+            if got is not None and output is not None and plan.live:  # a layer the plan has seen: checked as planned
                 return plan.attend(got, t0, impl, layer, query, key, value, kv_cache, attn_metadata, output)
         original = _ORIGINAL["forward"]
         tap = TAPS.get("forward")
@@ -295,6 +315,8 @@ class VllmAudit(EngineAudit):
             got = plan.base.rows.get(layer.layer_name)
             if got is not None:
                 plan.base.by_layer[layer] = got
+                if plan.base.plain[got[0]]:
+                    plan.base.plain_by_layer[layer] = got[0]
         return wide.attend(self, plan, got, t0, original, impl, layer, query, key, value, kv_cache, md, output, *args,
                            **kwargs)
 

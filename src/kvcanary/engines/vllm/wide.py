@@ -55,9 +55,11 @@ class WideBase:
         self.index = {n: i for i, n in enumerate(names)}
         self.rows = {n: (i, c) for i, (n, c) in enumerate(zip(names, statics))}  # a layer's row and its statics
         self.by_layer: dict[Any, tuple[int, Any]] = {}  # the same by the layer's module, once seen by name
+        self.plain_by_layer: dict[Any, int] = {}  # the plain rows' (below) layer modules, once seen: their row
         self.by_number = {c.number: (i, c) for i, c in enumerate(statics)}
         self.numbers = [c.number for c in statics]  # each row's layer number and group, for the records
-        # the rows a forward's plain path may take (WideForward.attend): checked layers that write their own KV
+        # the rows a forward's plain path may take (the attention patch's, kvcanary.engines.vllm.audit.install):
+        # checked layers that write their own KV
         self.plain = bytes(int(c.checked and c.writes) for c in statics)
         self.groups = groups
         # the loops' strides (WideForward.st) by the first layer's K and V strides and dtypes and its query's
@@ -107,17 +109,23 @@ class WideForward:
         self.vst: Any = None
         self.kdt: Any = None
         self.vdt: Any = None
-        self.plain = base.plain
+        # the rows the attention patch may take on the plain path from its first statement: plain rows
+        # without audited queries, each until seen this forward (Python's fewest steps: a layer's call
+        # runs 30 times a forward, where each object touched is a cache miss)
+        self.open = bytearray(base.plain)
+        self.plain_by_layer = base.plain_by_layer
         self.keep_layer = base.keep_layer()  # looked up each forward (a fault may replace them)
         self.keep_queries = base.fused.keep_queries
         self.ptrs = np.zeros((len(names), 4), dtype=np.int64) if len(qt) else NO_PTRS
         self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else NO_LAYERS  # the layer rows with queries
+        for li in self.audited:
+            self.open[li] = 0
         self.wrote: list[int] = []
         self.st = np.zeros(STRIDE_COLUMNS, dtype=np.int64)  # the layers' tensors' strides, from the first one's
         self.shape: tuple[Any, ...] | None = None  # the first layer's K and V strides and dtypes
         self.qo_shape: tuple[Any, ...] | None = None  # and its query's and output's, and its heads
         self.width = width
-        self._seen = bytearray(len(names))  # the layer rows seen this forward (a second sight voids the folds)
+        self.seen = bytearray(len(names))  # the layer rows seen this forward (a second sight voids the folds)
         self.audit: Any = None  # the audit that planned it (plan)
         self.by_layer = base.by_layer  # the layers seen, by their module (the attention patch's direct path)
         self.clock = [0.0]  # the seconds of the per-layer work, the audit's clock (plan)
@@ -182,7 +190,8 @@ class WideForward:
         for i, g in enumerate(live):
             self.steps[i] = describe(g.step)
         self.fold.reset()
-        self._seen[:] = bytes(len(self._seen))
+        self.seen[:] = bytes(len(self.seen))
+        self.open[:] = base.plain  # (no audited rows: a plan with queries is not run again)
         self.trusted, self.differ, self.wrote = 0, False, []
         self.md, self.md_causal, self.md_plain = None, True, None
         self.shape = self.qo_shape = self.kst = self.vst = self.kdt = self.vdt = None
@@ -231,18 +240,19 @@ class WideForward:
                 self.st[:] = st
             else:
                 return CHECK
-        if self._seen[li]:  # a layer seen twice: the fold is off from here
+        if self.seen[li]:  # a layer seen twice: the fold is off from here
             self.fold.void()
             self._tables()
-        self._seen[li] = 1
+        self.seen[li] = 1
+        self.open[li] = 0
         # the layer's computed rows go in for its fold wherever it writes its own KV, checked or not
         if c.writes:
-            self._keep_written(li, key, value)
+            self.keep_written(li, key, value)
         else:
             self.keep_layer(self.at_address, li, 0, 0, 0)
         return KEEP if audited else NOTHING
 
-    def _keep_written(self, li: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def keep_written(self, li: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """The per-layer call for the layer of row ``li``, which writes its own KV (``key``, ``value``:
         its computed rows): its write check where this forward checks that row, and its fold; what it
         found noted (a write that differs, the rows checked, the layers folded unchecked)."""
@@ -256,24 +266,15 @@ class WideForward:
 
     def attend(self, got: tuple[int, Any], t0: float, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> Any:
-        """The attention patch's direct path: a layer this forward has seen (``got``: its row and
-        statics), called as the engine usually calls it (an output buffer, no scales, no other
-        arguments), through :meth:`before` to the engine's attention (``original``) and :meth:`keep`
-        after it, as :func:`attend` does with fewer objects touched (it runs 30 times a forward, where
-        each one is a cache miss). The canary's seconds from ``t0`` (the patch's first statement) are
+        """The attention patch's direct path for a layer the plan has seen off the plain path (which
+        the patch runs itself: :func:`kvcanary.engines.vllm.audit.install`), ``got`` its row and
+        statics, called as the engine usually calls it (an output buffer, no scales, no other
+        arguments): through :meth:`before` to the engine's attention (``original``) and :meth:`keep`
+        after it, as :func:`attend` does with fewer objects touched. The canary's seconds from ``t0`` (the patch's first statement) are
         charged to ``clock``; a failure of the canary's own goes to the audit's ``failed``."""
         after = NOTHING
         try:
-            li = got[0]
-            # the plain path: a layer that writes its own KV, seen once, without audited queries, with the
-            # metadata, strides and dtypes of the layers before it: its write check and fold, as before() would
-            if (md is self.md_plain and self.plain[li] and li not in self.audited and not self._seen[li]
-                    and key.stride() == self.kst and value.stride() == self.vst and key.dtype is self.kdt
-                    and value.dtype is self.vdt):
-                self._seen[li] = 1
-                self._keep_written(li, key, value)
-            else:
-                after = self.before(got, query, key, value, md, output)
+            after = self.before(got, query, key, value, md, output)
         except Exception as e:
             self.audit.failed(e)
         self.clock[0] += time.perf_counter() - t0
