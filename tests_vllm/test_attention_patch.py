@@ -90,6 +90,8 @@ def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch)
     class Wide:
         by_layer: dict = {}
         base = SimpleNamespace(by_layer=by_layer)
+        plain_by_layer: dict = {}
+        live = True
 
         def attend(self, row, t0, *args):  # the plan's direct path: the engine's attention, with its arguments
             runs.append((row, args))
@@ -122,3 +124,57 @@ def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch)
     monkeypatch.delitem(audit.TAPS, "forward")
     forward(impl, layer, q, k, v, kv, md, output=out)
     assert len(runs) == 1 and len(by_name) == 4
+
+
+def test_forward_takes_a_plain_row_straight_to_its_write_check_and_the_engine(patched, monkeypatch):
+    """A plain row seen in an earlier forward, still open in this one, under the metadata and with the K
+    and V strides and dtypes of the forward's first layer, goes from the patch to its write check and
+    fold (``keep_written``) and the engine's attention, with the engine's arguments, and is closed; a
+    closed row, another metadata or another stride goes to the plan's direct path; a failure of the
+    canary's own withdraws the plan and the engine's attention still runs, once."""
+    from kvcanary.engines.vllm import audit as patch
+
+    forward, got = patched
+    impl, layer, q, k, v, kv, md = _args()
+    written, attended, failed = [], [], []
+
+    class Plan:
+        by_layer = {layer: (2, "statics")}
+        plain_by_layer = {layer: 2}
+        live = True
+        md_plain = md
+        kst, vst, kdt, vdt = k.stride(), v.stride(), k.dtype, v.dtype
+        clock = [0.0]
+        original = staticmethod(patch._ORIGINAL["forward"])
+        audit = type("A", (), {"failed": staticmethod(lambda e: failed.append(e))})
+
+        def __init__(self):
+            self.open = bytearray(4)
+            self.seen = bytearray(4)
+
+        def keep_written(self, li, key, value):
+            written.append((li, key, value))
+
+        def attend(self, row, t0, *args):
+            attended.append(row)
+            return patch._ORIGINAL["forward"](*args)
+
+    plan = Plan()
+    plan.open[2] = 1
+    monkeypatch.setattr(patch, "ACTIVE", [plan])
+    out = torch.zeros(2, 4)
+    assert forward(impl, layer, q, k, v, kv, md, output=out) == "engine's"
+    assert written == [(2, k, v)] and not attended and plan.open[2] == 0 and plan.seen[2] == 1
+    assert got[-1] == ((impl, layer, q, k, v, kv, md, out), {}) and plan.clock[0] > 0
+    forward(impl, layer, q, k, v, kv, md, output=out)  # closed now: the direct path
+    plan.open[2] = 1
+    forward(impl, layer, q, k, v, kv, object(), output=out)  # another metadata
+    forward(impl, layer, q, k.t(), v, kv, md, output=out)  # another stride
+    assert len(written) == 1 and attended == [(2, "statics")] * 3 and len(got) == 4
+
+    def boom(li, key, value):
+        raise RuntimeError("the canary's own")
+
+    plan.keep_written = boom
+    assert forward(impl, layer, q, k, v, kv, md, output=out) == "engine's"
+    assert len(failed) == 1 and len(got) == 5 and len(attended) == 3  # the engine's attention ran once
