@@ -94,7 +94,8 @@ def install() -> None:
                     plan.audit.failed(e)
                 if plain:
                     plan.clock[0] += time.perf_counter() - t0
-                    return plan.original(impl, layer, query, key, value, kv_cache, attn_metadata, output)  # type: ignore[misc]
+                    attention: Any = plan.original  # (the engine's, set when the plan was made)
+                    return attention(impl, layer, query, key, value, kv_cache, attn_metadata, output)
             got = plan.by_layer.get(layer)
             if got is not None and output is not None and plan.live:  # a layer the plan has seen: checked as planned
                 return plan.attend(got, t0, impl, layer, query, key, value, kv_cache, attn_metadata, output)

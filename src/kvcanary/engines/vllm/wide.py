@@ -178,8 +178,8 @@ class WideForward:
         and ``fold_tokens`` new tokens, where that forward audits no query and checks the same
         tokens' writes (:meth:`reusable` held after the last one): its tables stay where they are, so
         the per-layer call's table of addresses is not made again; the steps' descriptors are copied
-        into its own, the folds' sums zeroed, the per-forward state reset. ``False`` (nothing
-        changed): the forward differs from this plan's in something its tables are shaped by."""
+        into its own, the folds' sums zeroed, the per-forward state reset. ``False``, the plan left as
+        it was: the forward differs from this plan's in something its tables are shaped by."""
         from kvcanary.fused._step import describe
 
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
@@ -270,8 +270,9 @@ class WideForward:
         the patch runs itself: :func:`kvcanary.engines.vllm.audit.install`), ``got`` its row and
         statics, called as the engine usually calls it (an output buffer, no scales, no other
         arguments): through :meth:`before` to the engine's attention (``original``) and :meth:`keep`
-        after it, as :func:`attend` does with fewer objects touched. The canary's seconds from ``t0`` (the patch's first statement) are
-        charged to ``clock``; a failure of the canary's own goes to the audit's ``failed``."""
+        after it, as :func:`attend` does with fewer objects touched. The canary's seconds from ``t0``
+        (the patch's first statement) are charged to ``clock``; a failure of the canary's own goes to
+        the audit's ``failed``."""
         after = NOTHING
         try:
             after = self.before(got, query, key, value, md, output)
