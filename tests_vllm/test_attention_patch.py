@@ -10,16 +10,16 @@ def patched(monkeypatch):
     """The patched forward, with the engine's own replaced by a recorder of what it was given."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-    from kvcanary.engines.vllm import audit
+    from kvcanary.engines.vllm import patch
 
-    audit.install()
+    patch.install()
     got = []
 
     def original(*args, **kwargs):
         got.append((args, kwargs))
         return "engine's"
 
-    monkeypatch.setitem(audit._ORIGINAL, "forward", original)
+    monkeypatch.setitem(patch.ORIGINAL, "forward", original)
     return CPUAttentionBackendImpl.forward, got
 
 
@@ -34,7 +34,7 @@ def _args():
 
 @pytest.mark.parametrize("audited", [False, True])
 def test_forward_passes_the_engines_arguments_on(patched, monkeypatch, audited):
-    from kvcanary.engines.vllm import audit
+    from kvcanary.engines.vllm import patch
 
     forward, got = patched
     seen = []
@@ -47,7 +47,7 @@ def test_forward_passes_the_engines_arguments_on(patched, monkeypatch, audited):
                 seen.append((args, kwargs))
                 return original(*args, **kwargs)
 
-        monkeypatch.setitem(audit.REGISTRY, _Layer.layer_name, Audit())
+        monkeypatch.setitem(patch.REGISTRY, _Layer.layer_name, Audit())
     impl, layer, q, k, v, kv, md = _args()
     out, scale, block = torch.zeros(2, 4), torch.ones(1), torch.ones(2)
     # as vLLM calls it: output and the scales by keyword
@@ -82,7 +82,7 @@ def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch)
     scales or extra arguments, and a call under a fault's tap take the lookup by name."""
     from types import SimpleNamespace
 
-    from kvcanary.engines.vllm import audit
+    from kvcanary.engines.vllm import patch
 
     forward, got = patched
     runs, by_name = [], []
@@ -95,7 +95,7 @@ def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch)
 
         def attend(self, row, t0, *args):  # the plan's direct path: the engine's attention, with its arguments
             runs.append((row, args))
-            return audit._ORIGINAL["forward"](*args)
+            return patch.ORIGINAL["forward"](*args)
 
     class Audit:
         fa = object()
@@ -108,8 +108,8 @@ def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch)
     impl, layer, q, k, v, kv, md = _args()
     other = _Layer()
     wide.base.by_layer[layer] = (3, "statics")
-    monkeypatch.setattr(audit, "ACTIVE", [wide])
-    monkeypatch.setitem(audit.REGISTRY, _Layer.layer_name, Audit())
+    monkeypatch.setattr(patch, "ACTIVE", [wide])
+    monkeypatch.setitem(patch.REGISTRY, _Layer.layer_name, Audit())
     out = torch.zeros(2, 4)
     assert forward(impl, layer, q, k, v, kv, md, output=out, output_scale=None, output_block_scale=None) == "engine's"
     assert runs == [((3, "statics"), (impl, layer, q, k, v, kv, md, out))]
@@ -117,11 +117,11 @@ def test_forward_hands_known_layers_to_the_planned_forward(patched, monkeypatch)
     forward(impl, other, q, k, v, kv, md, output=out)  # not seen by object: by name
     forward(impl, layer, q, k, v, kv, md, output=out, output_scale=torch.ones(1))  # a scale: by name
     forward(impl, layer, q, k, v, kv, None, output=out)  # no metadata: by name
-    monkeypatch.setitem(audit.TAPS, "forward", lambda original, *a, **kw: original(*a, **kw))
+    monkeypatch.setitem(patch.TAPS, "forward", lambda original, *a, **kw: original(*a, **kw))
     forward(impl, layer, q, k, v, kv, md, output=out)  # a fault's tap: by name (it wraps the engine's)
     assert len(runs) == 1 and len(by_name) == 3  # the call without metadata reaches the engine directly
-    audit.ACTIVE[0] = None
-    monkeypatch.delitem(audit.TAPS, "forward")
+    patch.ACTIVE[0] = None
+    monkeypatch.delitem(patch.TAPS, "forward")
     forward(impl, layer, q, k, v, kv, md, output=out)
     assert len(runs) == 1 and len(by_name) == 4
 
@@ -132,7 +132,7 @@ def test_forward_takes_a_plain_row_straight_to_its_write_check_and_the_engine(pa
     fold (``keep_written``) and the engine's attention, with the engine's arguments, and is closed; a
     closed row, another metadata or another stride goes to the plan's direct path; a failure of the
     canary's own withdraws the plan and the engine's attention still runs, once."""
-    from kvcanary.engines.vllm import audit as patch
+    from kvcanary.engines.vllm import patch
 
     forward, got = patched
     impl, layer, q, k, v, kv, md = _args()
@@ -145,7 +145,7 @@ def test_forward_takes_a_plain_row_straight_to_its_write_check_and_the_engine(pa
         md_plain = md
         kst, vst, kdt, vdt = k.stride(), v.stride(), k.dtype, v.dtype
         clock = [0.0]
-        original = staticmethod(patch._ORIGINAL["forward"])
+        original = staticmethod(patch.ORIGINAL["forward"])
         audit = type("A", (), {"failed": staticmethod(lambda e: failed.append(e))})
 
         def __init__(self):
@@ -157,7 +157,7 @@ def test_forward_takes_a_plain_row_straight_to_its_write_check_and_the_engine(pa
 
         def attend(self, row, t0, *args):
             attended.append(row)
-            return patch._ORIGINAL["forward"](*args)
+            return patch.ORIGINAL["forward"](*args)
 
     plan = Plan()
     plan.open[2] = 1

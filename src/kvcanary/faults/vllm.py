@@ -22,8 +22,9 @@ forward (each fires once, at the ``at``-th forward or the first later one where 
   cache, found by the patrol scrub before a later prefix hit would serve it).
 
 Attention-kernel and cache-write faults, which the write check and the read audit
-(:mod:`kvcanary.engines.vllm.audit`) exist for; each wraps the first layer's attention (or its cache
-write) from the forward it is injected in on, as a kernel bug does, leaving the tables and stamps right:
+(:mod:`kvcanary.engines.vllm.audit`) exist for; each wraps the first layer's attention (through the
+patch's tap, :mod:`kvcanary.engines.vllm.patch`) or its cache write from the forward it is injected
+in on, as a kernel bug does, leaving the tables and stamps right:
 
 - ``kernel_read_next_page``: the kernel reads one request's cached blocks one page too far;
 - ``kernel_write_zeros``: the cache write of the layer (``do_kv_cache_update``) lands zeros;
@@ -266,17 +267,17 @@ def flip_cold(conn: Any, md: Any, meta: Any, rng: random.Random, detail: dict) -
 
 def _kernel_layer(conn: Any) -> str | None:
     """The first layer of the first covered KV cache group (audited or not); installs the tap point."""
-    from kvcanary.engines.vllm import audit as vllm_audit
+    from kvcanary.engines.vllm import patch
 
-    vllm_audit.install()
+    patch.install()
     layers = [n for g in conn.groups for n in g.plan.layers if n in conn.kv_caches]
     return layers[0] if layers else None
 
 
 def _tap(fn: Any) -> None:
-    from kvcanary.engines.vllm import audit as vllm_audit
+    from kvcanary.engines.vllm import patch
 
-    vllm_audit.TAPS["forward"] = fn
+    patch.TAPS["forward"] = fn
 
 
 _UPDATE: dict[str, Any] = {}  # vLLM's own cache write, once wrapped

@@ -2,9 +2,9 @@
 attention layer's forward.
 
 vLLM's CPU attention writes a layer's new K and V into its cache (``do_kv_cache_update``) before
-the layer's attention runs (``CPUAttentionBackendImpl.forward``). One class-level patch of that
-forward, installed by the worker-side connector, checks the layers of the KV cache groups the canary
-covers around the engine's attention:
+the layer's attention runs (``CPUAttentionBackendImpl.forward``). The class-level patch of that
+forward (:mod:`kvcanary.engines.vllm.patch`), installed by the worker-side connector, checks the
+layers of the KV cache groups the canary covers around the engine's attention:
 
 - before it (the write has run): compares the K and V the layer computed (the forward's ``key`` and
   ``value``, the inputs of the cache-write op) bit for bit with the cache rows at the new tokens'
@@ -24,7 +24,6 @@ through unchecked.
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 import time
@@ -42,78 +41,12 @@ from kvcanary.audit.tables import (L_STEP, PTR_K, PTR_O, PTR_Q, PTR_V, STRIDE_CO
 from kvcanary.engines.audit import NO_QUERIES, EngineAudit
 from kvcanary.engines.vllm.fold import Fold, FoldTables, fold_tables
 from kvcanary.engines.vllm import wide
+from kvcanary.engines.vllm.patch import ACTIVE, ORIGINAL, REGISTRY, install
 from kvcanary.engines.vllm.wide import WideBase, WideForward
 from kvcanary.geometry.base import KvGeometry
 
 log = logging.getLogger("kvcanary")
-REGISTRY: dict[str, "VllmAudit"] = {}  # layer name -> the audit of the canary that covers it
-# fault injection only (kvcanary.faults.vllm): wraps every layer's attention, audited or not, as
-# tap(original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-TAPS: dict[str, Callable[..., Any]] = {}
-_ORIGINAL: dict[str, Callable[..., Any]] = {}
 CPU = torch.device("cpu")  # the host path's device (made once: each forward's plan passes it)
-# the forward whose checks run in one call after it (VllmAudit.begin sets it, finish clears it): the
-# patch hands the layers it has seen by object straight to it, without the lookup by name
-ACTIVE: list[WideForward | None] = [None]
-
-
-def install() -> None:
-    """Patch ``CPUAttentionBackendImpl.forward`` once per process (idempotent)."""
-    if _ORIGINAL:
-        return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    _ORIGINAL["forward"] = CPUAttentionBackendImpl.forward
-
-    def forward(impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Any, output: Any = None, output_scale: Any = None,
-                output_block_scale: Any = None, *args: Any, **kwargs: Any) -> Any:
-        # vLLM passes output, output_scale and output_block_scale by keyword: named here, so that the
-        # common call (no scales) reaches the engine's attention without a dict of keywords built
-        # on the way, twice per layer and forward
-        t0 = time.perf_counter()  # the canary's time from here (kvcanary.engines.vllm.wide.attend charges it)
-        plan = ACTIVE[0]
-        if (plan is not None and attn_metadata is not None and output_scale is None and output_block_scale is None
-                and not args and not kwargs and not TAPS):
-            # the plain path: a layer that writes its own KV (seen in an earlier forward), not yet seen in
-            # this one, without audited queries, with the metadata, K and V strides and dtypes of the layers
-            # before it (WideForward.before set them at the forward's first layer): its write check and fold
-            # only, with as few Python calls as there can be (each one's code and objects are cache
-            # misses after the layer's matrix products, 30 times a forward)
-            li = plan.plain_by_layer.get(layer)
-            if li is not None and plan.open[li] and attn_metadata is plan.md_plain and output is not None:
-                plain = False
-                try:
-                    if (key.stride() == plan.kst and value.stride() == plan.vst and key.dtype is plan.kdt
-                            and value.dtype is plan.vdt):
-                        plan.open[li] = 0
-                        plan.seen[li] = 1
-                        plain = True
-                        plan.keep_written(li, key, value)
-                except Exception as e:  # the canary's own failure: the plan is withdrawn, the engine runs on
-                    plan.audit.failed(e)
-                if plain:
-                    plan.clock[0] += time.perf_counter() - t0
-                    attention: Any = plan.original  # (the engine's, set when the plan was made)
-                    return attention(impl, layer, query, key, value, kv_cache, attn_metadata, output)
-            got = plan.by_layer.get(layer)
-            if got is not None and output is not None and plan.live:  # a layer the plan has seen: checked as planned
-                return plan.attend(got, t0, impl, layer, query, key, value, kv_cache, attn_metadata, output)
-        original = _ORIGINAL["forward"]
-        tap = TAPS.get("forward")
-        if tap is not None:
-            original = functools.partial(tap, original)
-        if output_scale is not None or output_block_scale is not None:
-            kwargs = {"output_scale": output_scale, "output_block_scale": output_block_scale, **kwargs}
-        audit = REGISTRY.get(getattr(layer, "layer_name", ""))
-        if audit is None or attn_metadata is None or audit.fa is None:
-            return original(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if args or kwargs:
-            return audit.layer(t0, original, impl, layer, query, key, value, kv_cache, attn_metadata, output, *args,
-                               **kwargs)
-        return audit.layer(t0, original, impl, layer, query, key, value, kv_cache, attn_metadata, output)
-
-    CPUAttentionBackendImpl.forward = forward
 
 
 @dataclass(frozen=True)
@@ -297,7 +230,7 @@ class VllmAudit(EngineAudit):
             return spare  # the last forward's plan, its tables where they were
         fold = Fold(self._fold_tables[key], [g.name for g in live], tokens)
         plan = WideForward.plan(self, live, base, queries, fold)
-        plan.original = _ORIGINAL.get("forward")  # the engine's attention, for the patch's direct path
+        plan.original = ORIGINAL.get("forward")  # the engine's attention, for the patch's direct path
         return plan
 
     # ---- inside the forward -----------------------------------------------------------------------

@@ -80,7 +80,7 @@ class TransferSide:
     def has_connector_metadata(self) -> bool:
         """``False``: vLLM asks this in every attention layer, and calls the per-layer load and save
         hooks below only where it is true. The canary has no per-layer load or save (its per-layer
-        checks patch the attention itself, :mod:`kvcanary.engines.vllm.audit`), so the two calls a
+        checks patch the attention itself, :mod:`kvcanary.engines.vllm.patch`), so the two calls a
         layer are left out; its metadata is bound as ever (:meth:`bind_connector_metadata`)."""
         return False
 

@@ -58,7 +58,7 @@ class WideBase:
         self.plain_by_layer: dict[Any, int] = {}  # the plain rows' (below) layer modules, once seen: their row
         self.by_number = {c.number: (i, c) for i, c in enumerate(statics)}
         self.numbers = [c.number for c in statics]  # each row's layer number and group, for the records
-        # the rows a forward's plain path may take (the attention patch's, kvcanary.engines.vllm.audit.install):
+        # the rows a forward's plain path may take (the attention patch's, kvcanary.engines.vllm.patch.install):
         # checked layers that write their own KV
         self.plain = bytes(int(c.checked and c.writes) for c in statics)
         self.groups = groups
@@ -267,7 +267,7 @@ class WideForward:
     def attend(self, got: tuple[int, Any], t0: float, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor) -> Any:
         """The attention patch's direct path for a layer the plan has seen off the plain path (which
-        the patch runs itself: :func:`kvcanary.engines.vllm.audit.install`), ``got`` its row and
+        the patch runs itself: :func:`kvcanary.engines.vllm.patch.install`), ``got`` its row and
         statics, called as the engine usually calls it (an output buffer, no scales, no other
         arguments): through :meth:`before` to the engine's attention (``original``) and :meth:`keep`
         after it, as :func:`attend` does with fewer objects touched. The canary's seconds from ``t0``
