@@ -20,7 +20,7 @@ from kvcanary.engines.transformers import hooks as cb_hooks
 from kvcanary.engines.transformers import cb_configs, protect, tiny_model
 from kvcanary.faults.transformers_cb import CbFault
 from kvcanary.engines.transformers.compiled import StepBuilder
-from kvcanary.fused import ops as fused_ops
+from kvcanary.fused import scrub as fused_scrub
 from kvcanary.fused.forward import ForwardArgs
 from kvcanary.violations import ViolationRing
 
@@ -103,7 +103,7 @@ INTERNALS = [
     (cb.Protection.before, "__wrapped__"), (cb.Protection.after_forward, "__wrapped__"),
     (token_book.TokenBook, "update"), (token_book.TokenBook, "forget_except"), (StepBuilder, "build"),
     (cb_hooks, "to_device"), (cb_hooks, "host_io"),
-    (ForwardArgs, "before"), (ForwardArgs, "after"), (fused_ops, "scrub"),
+    (ForwardArgs, "before"), (ForwardArgs, "after"), (fused_scrub, "scrub"),
     (checks, "set_state"), (canary_mod.Canary, "export_stamps"), (canary_mod.Canary, "drain"),
     (ViolationRing, "drain"),
 ]  # the compiled entries of the CPU's default backend (fused); test_unknown fails the torch ones

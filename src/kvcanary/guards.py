@@ -81,7 +81,7 @@ class GuardSlots:
               rows: torch.Tensor, fused: bool) -> None:
         """Check every guard slot (site ``guard``) and count ``guard_checks``."""
         if fused:
-            from kvcanary.fused.ops import guard
+            from kvcanary.fused.scrub import guard
 
             if self.every.numel():
                 guard(stamps, table, self.every, self.reserved.shape[0], self.base, self.hit, self.was, self.got,

@@ -1,13 +1,13 @@
 """Every op the canary runs, and each op's three implementations, in one table.
 
-========  ==========================  ======================  ============================
-op        torch reference             fused CPU (numba)       Triton kernel
-========  ==========================  ======================  ============================
-verify    ``checks.verify``           ``fused.ops.verify``    ``kernels.verify.verify``
-stamp     ``checks.stamp``            ``fused.ops.stamp``     ``kernels.stamp.stamp``
-content   ``KvLayout.fingerprint``    ``fused.ops.content``   ``kernels.content.content``
-scrub     ``checks.scrub``            ``fused.ops.scrub``     ``kernels.scrub.scrub``
-========  ==========================  ======================  ============================
+========  ==========================  ========================  ============================
+op        torch reference             fused CPU (numba)         Triton kernel
+========  ==========================  ========================  ============================
+verify    ``checks.verify``           ``fused.ops.verify``      ``kernels.verify.verify``
+stamp     ``checks.stamp``            ``fused.ops.stamp``       ``kernels.stamp.stamp``
+content   ``KvLayout.fingerprint``    ``fused.scrub.content``   ``kernels.content.content``
+scrub     ``checks.scrub``            ``fused.scrub.scrub``     ``kernels.scrub.scrub``
+========  ==========================  ========================  ============================
 
 Every implementation of an op has one signature (below), so the canary dispatches, the parity
 tests compare and the benchmarks time by iterating :data:`OPS`; each backend also says how it
@@ -71,10 +71,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
        {"torch": "kvcanary.ops:torch_stamp", "fused": "kvcanary.fused.ops:stamp",
         "triton": "kvcanary.ops:triton_stamp"}),
     Op("content", "the content fingerprint of a list of slots",
-       {"torch": "kvcanary.ops:torch_content", "fused": "kvcanary.fused.ops:content",
+       {"torch": "kvcanary.ops:torch_content", "fused": "kvcanary.fused.scrub:content",
         "triton": "kvcanary.kernels.content:content"}),
     Op("scrub", "re-fingerprint stamped slots and compare with their stamps",
-       {"torch": "kvcanary.ops:torch_scrub", "fused": "kvcanary.fused.ops:scrub",
+       {"torch": "kvcanary.ops:torch_scrub", "fused": "kvcanary.fused.scrub:scrub",
         "triton": "kvcanary.kernels.scrub:scrub"}),
 )}
 

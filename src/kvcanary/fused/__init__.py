@@ -35,10 +35,10 @@ def loops() -> dict[str, Any]:
     :func:`available` compiles or loads. Imports the compiled modules."""
     from numba.core.dispatcher import Dispatcher
 
-    from kvcanary.fused import _core, _step, audit, block_steps, forward, index_steps, keep, ops, steps
+    from kvcanary.fused import _core, _step, audit, block_steps, forward, index_steps, keep, ops, scrub, steps
 
-    return {f"{m.__name__}.{k}": v for m in (_core, _step, ops, steps, forward, index_steps, block_steps, audit, keep)
-            for k, v in vars(m).items()
+    modules = (_core, _step, ops, scrub, steps, forward, index_steps, block_steps, audit, keep)
+    return {f"{m.__name__}.{k}": v for m in modules for k, v in vars(m).items()
             if isinstance(v, Dispatcher) and v.targetoptions.get("inline") != "always"
             and v.py_func.__module__ == m.__name__}
 
@@ -75,7 +75,7 @@ def _warm_up() -> None:
     import numpy as np
     import torch
 
-    from kvcanary.fused import ops, steps
+    from kvcanary.fused import ops, scrub, steps
     from kvcanary.fused.fold import SourceTable
     from kvcanary.layout import KvLayout
     from kvcanary.source import ByteSource
@@ -94,10 +94,10 @@ def _warm_up() -> None:
     ops.validate(step, 8)
     ops.stamp(stamps, table, step, counters, ring)
     ops.verify(stamps, table, step, counters, torch.zeros(1, dtype=torch.int64), None, ring)
-    ops.scrub(stamps, table, one, counters, ring)
-    ops.content(one, table, 8, torch.zeros(1, dtype=torch.int64))
+    scrub.scrub(stamps, table, one, counters, ring)
+    scrub.content(one, table, 8, torch.zeros(1, dtype=torch.int64))
     base, hit, was, got = (torch.zeros(1, dtype=torch.int64) for _ in range(4))
-    ops.guard(stamps, table, torch.tensor([0, 7]), 1, base, hit, was, got, counters, ring)
+    scrub.guard(stamps, table, torch.tensor([0, 7]), 1, base, hit, was, got, counters, ring)
     steps.written_from(step)
     steps.note_writers(step, torch.full((9, 2), -1, dtype=torch.int64), 8, 0)
     i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731

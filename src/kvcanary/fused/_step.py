@@ -8,6 +8,7 @@ import torch
 from kvcanary.fused._core import JIT, addr, addr2, ld, ld_i64, st_i64
 from kvcanary.fused.cache import njit
 from kvcanary.step import _SLOT_LIMIT, Step
+from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS
 
 # 1-d tensors: address, element size, stride (elements); address 0: absent
 CL, NO, NT, NP, NS, TR, RS, RV, ENT, ENP, WF, ER = (3 * i for i in range(12))
@@ -133,3 +134,8 @@ def checked_out(t: torch.Tensor, shape: tuple[int, ...]) -> int:
         raise ValueError(f"expected a contiguous int64 CPU tensor of shape {shape}, got {t.dtype} "
                          f"{tuple(t.shape)} on {t.device}")
     return t.data_ptr()
+
+
+def ring_args(counters: torch.Tensor, ring: torch.Tensor) -> tuple[int, int, int]:
+    """The counters' and the violation ring's addresses and the ring's capacity, as the loops take them."""
+    return (checked_out(counters, (NUM_COUNTERS,)), checked_out(ring, (ring.shape[0], NUM_FIELDS)), ring.shape[0])

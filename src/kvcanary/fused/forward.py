@@ -6,10 +6,11 @@ the verify of its reads, with the harm ledger's marks of the content window;
 the last-writer record, the ledger's marks of the written slots, and, where nothing is left for
 the Python side (no padding writes to check, no reads of this step's own writes), the guard slots,
 the step count and the forward's share of the patrol scrub. Each runs the same compiled loops as the
-separate ops (:mod:`kvcanary.fused.ops`), in the same order, so the two paths agree bit for bit
-(``tests/test_fused_forward.py``); what the Python side passes per call is the step's descriptor
-and a few integers, everything else is bound once per canary in :class:`ForwardArgs`: the canary's
-addresses and sizes in one int64 record, this call's values in another, each field named below.
+separate ops (:mod:`kvcanary.fused.ops`, :mod:`kvcanary.fused.scrub`), in the same order, so the two
+paths agree bit for bit (``tests/test_fused_forward.py``); what the Python side passes per call is
+the step's descriptor and a few integers, everything else is bound once per canary in
+:class:`ForwardArgs`: the canary's addresses and sizes in one int64 record, this call's values in
+another, each field named below.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import numpy as np
 from kvcanary.fused._core import JIT, ld_i64
 from kvcanary.fused._step import CL, NNEW, NROWS, NS, WF, bump, checked_out, rd
 from kvcanary.fused.cache import njit
-from kvcanary.fused.ops import (_K_SCBYTES, _K_SCRUBBED, _NO_FOLD, _NO_LEDGER, _STEPS, _guard, _seeds, _stamp,
-                                _validate, _verify, mark_checked, scrub_run)
+from kvcanary.fused.ops import _NO_FOLD, _NO_LEDGER, _STEPS, _seeds, _stamp, _validate, _verify, mark_checked
+from kvcanary.fused.scrub import _K_SCBYTES, _K_SCRUBBED, _guard, scrub_run
 from kvcanary.fused.steps import _note_writers
 from kvcanary.violations import Site
 

@@ -1,6 +1,7 @@
-"""The fused CPU implementation of each op: one compiled loop over the step's rows and slots, bit
-for bit the torch reference (:mod:`kvcanary.checks`), writing violation rows straight into the
-canary's ring and bumping its counters in place, as the Triton kernels do.
+"""The fused CPU implementation of each step op (verify, stamp, the step's checks): one compiled
+loop over the step's rows and slots, bit for bit the torch reference (:mod:`kvcanary.checks`),
+writing violation rows straight into the canary's ring and bumping its counters in place, as the
+Triton kernels do. The loops over cold cache (scrub, guard, content) are in :mod:`kvcanary.fused.scrub`.
 
 Each loop runs on the calling thread (no thread pool of its own, so it never competes with the
 engine's), allocates nothing per read slot (the stamp op keeps a few words per written slot to
@@ -14,18 +15,18 @@ import torch
 
 from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UNKNOWN_POS
 from kvcanary.errors import KvCanaryError
-from kvcanary.fused._core import JIT, SEED, finish_content, g_term, ld, ld_i32, ld_i64, link_next, prefetch, st_i64
+from kvcanary.fused._core import JIT, SEED, finish_content, g_term, ld, ld_i64, link_next, prefetch, st_i64
 from kvcanary.fused.fold import SourceTable, fold_slot, fold_slots
 from kvcanary.fused._step import (CL, ENP, ENT, ER, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
-                                  describe, expected_row, lookup, rd, rd2, record, start, table_row, valid)
+                                  describe, expected_row, lookup, rd, rd2, record, ring_args, start, table_row,
+                                  valid)
 from kvcanary.fused._step import _LIM, TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
 from kvcanary.fused.cache import njit
-from kvcanary.fused.snapshot import same, take
 from kvcanary.step import Step
-from kvcanary.violations import NUM_COUNTERS, NUM_FIELDS, Check, Counter, Site
+from kvcanary.violations import Check, Counter, Site
 
 _B = np.uint64(0x9E3779B97F4A7C15)
-_STEPS, _VIOL = int(Counter.STEPS), int(Counter.VIOLATIONS)
+_STEPS = int(Counter.STEPS)
 _C_POS, _C_LINK, _C_TOK, _C_CONT = int(Check.POSITION), int(Check.LINK), int(Check.TOKEN), int(Check.CONTENT)
 _C_EMPTY, _C_BAD = int(Check.EMPTY), int(Check.BAD_SLOT)
 _C_WPOS, _C_WTAB, _C_WTOK = int(Check.WRITE_POSITION), int(Check.WRITE_TABLE), int(Check.WRITE_INPUT_TOKEN)
@@ -34,9 +35,7 @@ _K_VER, _K_LINKS, _K_UNLINKED = int(Counter.SLOTS_VERIFIED), int(Counter.LINKS_C
 _K_CSLOTS, _K_CSKIP = int(Counter.CONTENT_SLOTS_VERIFIED), int(Counter.CONTENT_SLOTS_SKIPPED)
 _K_CBYTES, _K_UNVER = int(Counter.CONTENT_BYTES_VERIFIED), int(Counter.SLOTS_UNVERIFIABLE)
 _K_STAMPED, _K_SBYTES = int(Counter.SLOTS_STAMPED), int(Counter.CONTENT_BYTES_STAMPED)
-_K_SCRUBBED, _K_SCBYTES = int(Counter.SLOTS_SCRUBBED), int(Counter.CONTENT_BYTES_SCRUBBED)
-_SITE_VERIFY, _SITE_WRITE, _SITE_GUARD = int(Site.VERIFY), int(Site.WRITE), int(Site.GUARD)
-_K_GUARD = int(Counter.GUARD_CHECKS)
+_SITE_VERIFY, _SITE_WRITE = int(Site.VERIFY), int(Site.WRITE)
 ALL, BEFORE_WRITES, AFTER_WRITES = 0, 1, 2  # which reads verify takes (Step.split_reads)
 
 
@@ -355,105 +354,11 @@ def _stamp(d, stamps, num_slots, src, runs, keys, counters, ring, cap, bps, seed
 
 
 @njit(inline="always", **JIT)
-def scrub_one(stamps, num_slots, src, runs, keys, s, counters, ring, cap, site, step_id):  # type: ignore[no-untyped-def]
-    """Re-fingerprint slot ``s`` against its stamp; 1 when it holds one (a live slot), else 0."""
-    if s < 0 or s >= num_slots:
-        return 0
-    sa = stamps + 32 * s
-    pos = ld_i64(sa + 8)
-    if pos < 0:
-        return 0
-    if src.shape[0] > 0:
-        exp = fold_slot(src, runs, keys, s)
-        cont = ld_i64(sa + 24)
-        if cont != exp:
-            record(counters, ring, cap, site, _C_CONT, step_id, -1, s, pos, -1, ld_i64(sa), pos, 0, ld_i64(sa + 16),
-                   exp, cont, -1)
-    return 1
-
-
-@njit(inline="always", **JIT)
-def scrub_run(stamps, num_slots, src, runs, keys, first, n, counters, ring, cap, site, step_id):  # type: ignore[no-untyped-def]
-    """:func:`scrub_one` of the ``n`` slots from ``first`` on (mod ``num_slots``), folded together
-    (:func:`~kvcanary.fused.fold.fold_slots`); the live slots among them."""
-    slots = np.empty(max(n, 0), dtype=np.int64)
-    m = 0
-    for i in range(n):
-        s = (first + i) % num_slots
-        if ld_i64(stamps + 32 * s + 8) >= 0:
-            slots[m] = s
-            m += 1
-    if src.shape[0] == 0:
-        return m
-    exps = fold_slots(src, runs, keys, slots, m)
-    for j in range(m):
-        s = slots[j]
-        sa = stamps + 32 * s
-        exp, cont, pos = exps[j], ld_i64(sa + 24), ld_i64(sa + 8)
-        if cont != exp:
-            record(counters, ring, cap, site, _C_CONT, step_id, -1, s, pos, -1, ld_i64(sa), pos, 0, ld_i64(sa + 16),
-                   exp, cont, -1)
-    return m
-
-
-@njit(inline="always", **JIT)
 def mark_checked(led_at, led_before, s, forward):  # type: ignore[no-untyped-def]
     """:meth:`kvcanary.harm.CheckLedger.mark` of one slot in the pool."""
     if led_at[s] != forward:
         led_before[s] = led_at[s]
         led_at[s] = forward
-
-
-@njit(**JIT)
-def _scrub(stamps, num_slots, src, runs, keys, slots, esz, n, counters, ring, cap, bps, site):  # type: ignore[no-untyped-def]
-    step_id = ld_i64(counters + 8 * _STEPS)
-    live = 0
-    for i in range(n):
-        s = ld_i64(slots + 8 * i) if esz == 8 else ld_i32(slots + 4 * i)
-        live += scrub_one(stamps, num_slots, src, runs, keys, s, counters, ring, cap, site, step_id)
-    bump(counters, _K_SCRUBBED, live)
-    bump(counters, _K_SCBYTES, live * bps)
-
-
-@njit(**JIT)
-def _guard(stamps, src, runs, keys, slots, nres, n, base, hit, was, got, counters, ring, cap, regions, nreg,
-           snap):  # type: ignore[no-untyped-def]
-    step_id = ld_i64(counters + 8 * _STEPS)
-    first = 0
-    if nreg:  # the reserved slots' bytes as they were when their fingerprints were taken: none changed
-        if same(regions, nreg, snap):
-            first = nres
-        else:
-            take(regions, nreg, snap)  # the fingerprints below are taken of these bytes
-    for i in range(first, n):
-        s = ld_i64(slots + 8 * i)
-        if i >= nres and ld_i64(stamps + 32 * s + 8) < 0:
-            continue  # a guarded slot without a stamp: nothing to check it against
-        fp = fold_slot(src, runs, keys, s)
-        if i < nres:  # a reserved slot: against its fingerprint, re-taken on a change
-            b = ld_i64(base + 8 * i)
-            if fp != b:
-                if ld_i64(hit + 8 * i) < 0:
-                    st_i64(hit + 8 * i, step_id)
-                    st_i64(was + 8 * i, b)
-                    st_i64(got + 8 * i, fp)
-                st_i64(base + 8 * i, fp)
-            continue
-        sa = stamps + 32 * s
-        pos = ld_i64(sa + 8)
-        cont = ld_i64(sa + 24)
-        if pos >= 0 and cont != fp:  # a guarded live slot: against its stamp
-            record(counters, ring, cap, _SITE_GUARD, _C_CONT, step_id, -1, s, pos, -1, ld_i64(sa), pos, 0,
-                   ld_i64(sa + 16), fp, cont, -1)
-    bump(counters, _K_GUARD, n)
-
-
-@njit(**JIT)
-def _content(src, runs, keys, num_slots, slots, esz, n, out):  # type: ignore[no-untyped-def]
-    has_src = src.shape[0] > 0
-    for i in range(n):
-        s = ld_i64(slots + 8 * i) if esz == 8 else ld_i32(slots + 4 * i)
-        st_i64(out + 8 * i, fold_slot(src, runs, keys, s) if has_src and 0 <= s < num_slots else 0)
 
 
 @njit(**JIT)
@@ -509,10 +414,6 @@ _NO_LEDGER = np.zeros(0, dtype=np.int64)
 _NO_FOLD = np.zeros(0, dtype=np.uint64)  # no token's fingerprint folded before the stamp
 
 
-def _ring_args(counters: torch.Tensor, ring: torch.Tensor) -> tuple[int, int, int]:
-    return (checked_out(counters, (NUM_COUNTERS,)), checked_out(ring, (ring.shape[0], NUM_FIELDS)), ring.shape[0])
-
-
 def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Tensor, cursor: torch.Tensor,
            content_slots: int | None, ring: torch.Tensor, part: int = ALL) -> int:
     """Verify the reads of ``step`` (``part``: all, or those before / after this step's writes, as
@@ -520,7 +421,7 @@ def verify(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.T
     its reads before). Mutates ``counters``, ``cursor`` and ``ring``; returns the slots verified."""
     if part == AFTER_WRITES and step.written_from is None:
         return 0
-    c, rg, cap = _ring_args(counters, ring)
+    c, rg, cap = ring_args(counters, ring)
     st = checked_out(stamps, (stamps.shape[0], 4))
     return int(_verify(describe(step), st, stamps.shape[0], src.src, src.runs, src.keys, c,
                        checked_out(cursor, (1,)), -1 if content_slots is None else content_slots, rg, cap,
@@ -538,7 +439,7 @@ def seeds(stamps: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]
 def stamp(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Tensor, ring: torch.Tensor,
           unknown_possible: bool = True) -> None:
     """Stamp the writes of ``step`` and check them. Mutates ``stamps``, ``counters`` and ``ring``."""
-    c, rg, cap = _ring_args(counters, ring)
+    c, rg, cap = ring_args(counters, ring)
     d = describe(step)
     st = checked_out(stamps, (stamps.shape[0], 4))
     seed = np.empty(step.num_rows, dtype=np.int64)
@@ -546,47 +447,6 @@ def stamp(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Te
     _seeds(d, st, stamps.shape[0], seed, mode)
     _stamp(d, st, stamps.shape[0], src.src, src.runs, src.keys, c, rg, cap, src.bytes_per_slot, seed, mode, _NO_FOLD,
            _NO_LEDGER)
-
-
-def _slots_addr(slots: torch.Tensor) -> tuple[torch.Tensor, int]:
-    if slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
-        raise KvCanaryError(f"slots: expected a 1-d int32 or int64 tensor, got {slots.dtype} {tuple(slots.shape)}")
-    slots = slots.contiguous()
-    return slots, slots.element_size()
-
-
-def scrub(stamps: torch.Tensor, src: SourceTable, slots: torch.Tensor, counters: torch.Tensor, ring: torch.Tensor,
-          site: Site = Site.SCRUB) -> None:
-    """Re-fingerprint the stamped ``slots`` and compare with their stamps (slots outside the pool
-    and unstamped ones are passed over). Mutates ``counters`` and ``ring``."""
-    c, rg, cap = _ring_args(counters, ring)
-    slots, esz = _slots_addr(slots)
-    _scrub(checked_out(stamps, (stamps.shape[0], 4)), stamps.shape[0], src.src, src.runs, src.keys,
-           slots.data_ptr(), esz, slots.shape[0], c, rg, cap, src.bytes_per_slot, int(site))
-
-
-def content(slots: torch.Tensor, src: SourceTable, num_slots: int, out: torch.Tensor) -> None:
-    """Fingerprint ``slots`` into ``out`` (int64 ``[n]``); a slot outside ``[0, num_slots)`` gives 0."""
-    slots, esz = _slots_addr(slots)
-    _content(src.src, src.runs, src.keys, num_slots, slots.data_ptr(), esz, slots.shape[0],
-             checked_out(out, (slots.shape[0],)))
-
-
-def guard(stamps: torch.Tensor, src: SourceTable, slots: torch.Tensor, nres: int, base: torch.Tensor,
-          hit: torch.Tensor, was: torch.Tensor, got: torch.Tensor, counters: torch.Tensor, ring: torch.Tensor,
-          snapshot: tuple[int, int, int] | None = None) -> None:
-    """:meth:`kvcanary.canary.Canary.guard` in one pass: ``slots`` (int64, in the pool) are the
-    ``nres`` reserved slots, then the guarded live ones. A reserved slot whose fingerprint differs
-    from ``base`` gets the step in ``hit`` (if none yet), the fingerprints before and after in
-    ``was`` and ``got``, and ``base`` the new one; a guarded slot that holds a stamp is compared with
-    it, a mismatch recorded in the ring (site ``guard``). Counts ``guard_checks``. ``snapshot``: the
-    reserved slots' regions' address, their count and the snapshot's address
-    (:mod:`kvcanary.fused.snapshot`), which skip the reserved slots whose bytes are unchanged."""
-    c, rg, cap = _ring_args(counters, ring)
-    addr = [checked_out(t, (nres,)) for t in (base, hit, was, got)]
-    reg, nreg, at = snapshot if snapshot is not None else (0, 0, 0)
-    _guard(checked_out(stamps, (stamps.shape[0], 4)), src.src, src.runs, src.keys, checked_out(slots, (slots.shape[0],)),
-           nres, slots.shape[0], *addr, c, rg, cap, reg, nreg, at)
 
 
 def validate(step: Step, num_slots: int) -> None:
