@@ -30,7 +30,7 @@ LAYERS = [
                 "kvcanary.reporting", "kvcanary.writers"]),
     ("engines", ["kvcanary.engines", "kvcanary.engines.*", "kvcanary.sim", "kvcanary.sim.*", "kvcanary.real_model"]),
     ("faults", ["kvcanary.faults", "kvcanary.faults.*"]),
-    ("cli", ["kvcanary.report", "kvcanary.demo", "kvcanary.demo.*", "kvcanary.selftest", "kvcanary.cli", "kvcanary.__main__", "kvcanary"]),
+    ("cli", ["kvcanary.report", "kvcanary.report.*", "kvcanary.demo", "kvcanary.demo.*", "kvcanary.selftest", "kvcanary.cli", "kvcanary.__main__", "kvcanary"]),
 ]
 # the engine-agnostic core never imports an engine adapter or a fault injector
 CORE = ("kvcanary.fused", "kvcanary.kernels", "kvcanary.audit", "kvcanary.geometry", "kvcanary.canary")

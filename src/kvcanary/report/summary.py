@@ -1,34 +1,15 @@
-"""``kvcanary report``: a JSONL violation log (:mod:`kvcanary.eventlog`) read back as a summary a
-person can act on, and as a one-page HTML report with pictures of the violations over time and
-over the slot space.
-
-The summary says, per kind of failure (the diagnosed bug class, the failed checks and the site),
-how many events and slots, which requests were hurt, when (wall-clock, UTC) and at which steps of
-which process (steps count the forwards of one process: they start again in every process); then
-the requests to retry with the first and last time each was hurt, the slots and layer groups hit
-most, and the processes that reported. A log a crash left damaged is read as far as it goes: lines
-that are not violation events are skipped, counted and named by number. Logs compressed with gzip
-are read as they are. ``rich`` renders the tables when it is installed; plain text otherwise.
-
-Exit status of :func:`main` (``kvcanary report``): 0 no violations; 1 violations; 2 not a violation
-log (no line of it is one), or a file or page that cannot be read or written; 4 is added when lines
-were skipped (4: skipped lines and no violations in the rest; 5: skipped lines and violations).
+"""The violation log's summary (:func:`summarize`): per kind of failure, the requests hurt, the
+processes, the slots and groups hit most; its headline, its tables as the terminal shows them
+(``rich`` where installed, plain text otherwise) and as one JSON object (:func:`as_dict`).
 """
 
 from __future__ import annotations
 
 import collections
-import html
-import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
-
-from kvcanary.eventlog import read, scan
-
-__all__ = ["read", "scan", "summarize", "headline", "html_page", "as_dict", "main", "Summary", "Kind"]
 
 SKIPPED = 4  # the exit status bit for lines skipped
 SHOWN = {"requests": 20, "slots": 10, "skipped": 10}  # rows of the tables that could run long
@@ -193,7 +174,7 @@ def _more(total: int, shown: int, what: str) -> str:
     return f"... and {total - shown} more {what} (--json lists every one)" if total > shown else ""
 
 
-def _rows(s: Summary) -> dict[str, tuple[list[str], list[list[str]], str]]:
+def tables(s: Summary) -> dict[str, tuple[list[str], list[list[str]], str]]:
     """The summary's tables: title -> (header, rows, a note under the table: what was left out)."""
     kinds = [[k.name, str(k.events), str(len(k.slots)), str(len(k.requests)), when(k.first_time), when(k.last_time),
               k.step_text(s.several), k.first_summary[:240]] for k in s.kinds]
@@ -256,7 +237,7 @@ def print_summary(s: Summary, path: str) -> None:
         from rich.text import Text
     except ImportError:  # plain text
         print(f"{path}: {headline(s)}")
-        for title, (head, rows, note) in _rows(s).items():
+        for title, (head, rows, note) in tables(s).items():
             if not rows and not note:
                 continue
             print(f"\n{title}\n  " + " | ".join(head))
@@ -267,7 +248,7 @@ def print_summary(s: Summary, path: str) -> None:
         return
     con = Console(width=None if sys.stdout.isatty() else 160)  # a pipe or file: no wrapping at 80 columns
     con.print(Text(f"{path}: {headline(s)}", style="bold"))
-    for title, (head, rows, note) in _rows(s).items():
+    for title, (head, rows, note) in tables(s).items():
         if not rows and not note:
             continue
         con.print(Text(f"\n{title}", style="bold"))
@@ -280,112 +261,6 @@ def print_summary(s: Summary, path: str) -> None:
             con.print(t)
         if note:
             con.print(Text(note))
-
-
-# ---- the HTML page ---------------------------------------------------------------------------
-
-_COLORS = ["#d62728", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-
-
-def _axis(s: Summary) -> tuple[list[float], str, Any]:
-    """Where each slot record lies in time: wall-clock seconds where every record has a time (the
-    only order across processes), else its step; the axis's name and how to label a value."""
-    if s.points and all(p[3] is not None for p in s.points):
-        t0 = min(p[3] for p in s.points if p[3] is not None)
-        return [float(p[3]) - t0 for p in s.points if p[3] is not None], "time", lambda v: when(t0 + v)
-    return [float(p[0]) for p in s.points], "step", lambda v: f"step {int(v)}"
-
-
-def _bins(lo: float, hi: float, most: int, integral: bool) -> int:
-    return max(1, min(most, int(hi - lo) + 1)) if integral else (most if hi > lo else 1)
-
-
-def _timeline_svg(s: Summary, w: int = 900, h: int = 220) -> str:
-    """Slot records over time (or steps, where the log has no times), stacked by kind."""
-    if not s.points:
-        return "<p>No violations.</p>"
-    names = [k.name for k in s.kinds]
-    xs, axis, label = _axis(s)
-    lo, hi = min(xs), max(xs)
-    nb = _bins(lo, hi, 120, axis == "step")
-    width = (hi - lo + (1 if axis == "step" else 0)) / nb or 1.0
-    counts = [[0] * len(names) for _ in range(nb)]
-    for x, p in zip(xs, s.points):
-        counts[min(nb - 1, int((x - lo) / width))][names.index(p[2])] += 1
-    top = max(sum(c) for c in counts) or 1
-    bw = (w - 60) / nb
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" '
-           f'aria-label="violations over {axis}">']
-    for i, c in enumerate(counts):
-        y = float(h - 30)
-        for j, v in enumerate(c):
-            if not v:
-                continue
-            bh = (h - 50) * v / top
-            y -= bh
-            out.append(f'<rect x="{50 + i * bw:.1f}" y="{y:.1f}" width="{max(bw - 1, 1):.1f}" height="{bh:.1f}" '
-                       f'fill="{_COLORS[j % len(_COLORS)]}"><title>{html.escape(label(lo + i * width))}: {v} '
-                       f'{html.escape(names[j])}</title></rect>')
-    out.append(f'<text x="50" y="{h - 10}" font-size="12">{html.escape(label(lo))}</text>'
-               f'<text x="{w - 10}" y="{h - 10}" font-size="12" text-anchor="end">{html.escape(label(hi))}</text>'
-               f'<text x="5" y="20" font-size="12">{top} records</text></svg>')
-    return "".join(out)
-
-
-def _heatmap_svg(s: Summary, w: int = 900, h: int = 300) -> str:
-    """Slot records over the slot space (x) and time or steps (y), darker where more."""
-    xs, axis, label = _axis(s)
-    pts = [(x, p[1]) for x, p in zip(xs, s.points) if p[1] >= 0]
-    if not pts:
-        return "<p>No slot records.</p>"
-    s_lo, s_hi = min(p[1] for p in pts), max(p[1] for p in pts)
-    t_lo, t_hi = min(p[0] for p in pts), max(p[0] for p in pts)
-    nx, ny = min(90, s_hi - s_lo + 1), _bins(t_lo, t_hi, 30, axis == "step")
-    t_w = (t_hi - t_lo + (1 if axis == "step" else 0)) / ny or 1.0
-    grid = collections.Counter((min(nx - 1, (p[1] - s_lo) * nx // (s_hi - s_lo + 1)),
-                                min(ny - 1, int((p[0] - t_lo) / t_w))) for p in pts)
-    top = max(grid.values())
-    cw, ch = (w - 60) / nx, (h - 40) / ny
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" '
-           f'aria-label="violations over the slot space">']
-    for (x, y), v in grid.items():
-        a = 0.15 + 0.85 * v / top
-        out.append(f'<rect x="{50 + x * cw:.1f}" y="{10 + y * ch:.1f}" width="{cw:.1f}" height="{ch:.1f}" '
-                   f'fill="#d62728" fill-opacity="{a:.2f}"><title>slots ~{s_lo + x * (s_hi - s_lo + 1) // nx}, '
-                   f'{html.escape(label(t_lo + y * t_w))}: {v} records</title></rect>')
-    out.append(f'<text x="50" y="{h - 10}" font-size="12">slot {s_lo}</text>'
-               f'<text x="{w - 10}" y="{h - 10}" font-size="12" text-anchor="end">slot {s_hi}</text>'
-               f'<text x="5" y="20" font-size="12">{html.escape(label(t_lo))}</text>'
-               f'<text x="5" y="{h - 30}" font-size="12">{html.escape(label(t_hi))}</text></svg>')
-    return "".join(out)
-
-
-def html_page(s: Summary, path: str) -> str:
-    """The one-page report: headline, a timeline, a heat map over the slot space, the tables."""
-    names = [k.name for k in s.kinds]
-    legend = " ".join(f'<span style="color:{_COLORS[i % len(_COLORS)]}">&#9632;</span> {html.escape(n)}'
-                      for i, n in enumerate(names))
-    tables = []
-    for title, (head, rows, note) in _rows(s).items():
-        if not rows and not note:
-            continue
-        th = "".join(f"<th>{html.escape(x)}</th>" for x in head)
-        trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-        table = f"<table><tr>{th}</tr>{trs}</table>" if rows else ""
-        tables.append(f"<h2>{html.escape(title)}</h2>{table}" + (f"<p>{html.escape(note)}</p>" if note else ""))
-    axis = _axis(s)[1] if s.points else "time"
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>kvcanary report: {html.escape(path)}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1000px}} table{{border-collapse:collapse;margin-bottom:1em}}
-td,th{{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left;vertical-align:top}}
-h1{{font-size:20px}} h2{{font-size:16px;margin-top:1.5em}} .head{{font-size:15px}}</style></head>
-<body><h1>kvcanary report: {html.escape(path)}</h1>
-<p class="head">{html.escape(headline(s))}</p>
-<h2>Violations over {"time (UTC)" if axis == "time" else "steps"}</h2><p>{legend}</p>{_timeline_svg(s)}
-<h2>Violations over the slot space</h2>{_heatmap_svg(s)}
-{''.join(tables)}
-</body></html>
-"""
 
 
 def as_dict(s: Summary) -> dict[str, Any]:
@@ -405,55 +280,3 @@ def as_dict(s: Summary) -> dict[str, Any]:
             "processes": [{"process": p, "events": c, **span(s.processes[p])} for p, c in s.sources.most_common()],
             "lines": s.lines, "skipped_lines": len(s.skipped),
             "skipped": [{"line": n, "reason": why} for n, why in s.skipped], "cut": s.cut}
-
-
-def main(path: str, html_out: str | None = None, as_json: bool = False) -> int:
-    """``kvcanary report``; returns the exit status (:data:`kvcanary.cli.REPORT_EXIT_CODES`): 0 when the log has no
-    violations, 1 when it has, 2 when it is not a violation log, cannot be read, or the page cannot
-    be written (said on stderr before anything is printed); 4 added when lines were skipped."""
-    unwritable = html_out and _unwritable(html_out)
-    if unwritable:
-        print(f"kvcanary report: --html {html_out}: {unwritable}", file=sys.stderr)
-        return 2
-    try:
-        got = scan(path)
-    except OSError as e:
-        print(f"kvcanary report: cannot read {path!r} as a JSONL violation log: {e}", file=sys.stderr)
-        return 2
-    if not got.events and (got.bad or got.cut):  # not one event: not a violation log at all
-        first = (f"line {got.bad[0][0]}: {got.bad[0][1]}" if got.bad else str(got.cut))
-        also = f" (none of its {got.lines} line(s) is a violation event)" if got.lines > 1 else ""
-        print(f"kvcanary report: cannot read {path!r} as a JSONL violation log: {first}{also}", file=sys.stderr)
-        return 2
-    s = summarize(got.events, got.bad, got.lines, got.cut)
-    if s.skipped or s.cut:  # on stderr too: a script reading --json sees it, and the status says it
-        named = "; ".join(f"line {n}: {why}" for n, why in s.skipped[:3])
-        more = f"; and {len(s.skipped) - 3} more" if len(s.skipped) > 3 else ""
-        print(f"kvcanary report: {path}: skipped {len(s.skipped)} of {s.lines} line(s) that are not violation "
-              f"events" + (f" ({named}{more})" if named else "") + (f"; {s.cut}" if s.cut else ""), file=sys.stderr)
-    if as_json:
-        print(json.dumps(as_dict(s)))
-    else:
-        print_summary(s, path)
-    if html_out:
-        try:
-            with open(html_out, "w", encoding="utf-8") as f:
-                f.write(html_page(s, path))
-        except OSError as e:  # checked above; the disk may still fill up
-            print(f"kvcanary report: --html {html_out}: cannot write the page ({e})", file=sys.stderr)
-            return 2
-        if not as_json:
-            print(f"wrote {html_out}")
-    return (1 if s.events else 0) + (SKIPPED if s.skipped or s.cut else 0)
-
-
-def _unwritable(out: str) -> str | None:
-    """Why the page cannot be written to ``out`` ("expected X, got Y"), or ``None``."""
-    where = os.path.dirname(os.path.abspath(out))
-    if os.path.isdir(out):
-        return "expected a file to write the page to, got a directory"
-    if not os.path.isdir(where):
-        return f"expected an existing directory to write the page in, got {where!r}, which does not exist"
-    if not os.access(where, os.W_OK):
-        return f"expected a writable directory to write the page in, got {where!r}, which is not writable"
-    return None
