@@ -92,15 +92,32 @@ class WideForward:
         self.base, self.names, self.index, self.table = base, names, base.index, base.table
         self.steps, self.qt, self.fl = steps, qt, fl
         self.toks, self.fold = toks, fold
-        self.write = False  # this forward checks writes (set by plan)
-        self.checks = bytes(len(names))  # the layer rows whose writes it checks (set by plan)
-        self.trusted = 0  # layers whose new tokens were folded from their computed rows unchecked
-        self.differ = False  # a checked write differs (the per-layer call's count was not 0)
+        self._fresh()
         # each numpy call costs microseconds right after the engine's matrix products: the write check's
         # two tables in one array, and the audited queries' copies and pointers only where there are some
         self.half, self.head = np.zeros((2, len(names), len(toks)), dtype=np.int64)
         self.kept = np.zeros((len(qt), 2, width), dtype=np.uint8) if len(qt) else NO_KEPT
         self.kept_at = self.kept.__array_interface__["data"][0]  # (ndarray.ctypes costs microseconds)
+        self.plain_by_layer = base.plain_by_layer
+        self.ptrs = np.zeros((len(names), 4), dtype=np.int64) if len(qt) else NO_PTRS
+        self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else NO_LAYERS  # the layer rows with queries
+        for li in self.audited:
+            self.open[li] = 0
+        self.st = np.zeros(STRIDE_COLUMNS, dtype=np.int64)  # the layers' tensors' strides, from the first one's
+        self.width = width
+        self.audit: Any = None  # the audit that planned it (plan)
+        self.by_layer = base.by_layer  # the layers seen, by their module (the attention patch's direct path)
+        self.clock = [0.0]  # the seconds of the per-layer work, the audit's clock (plan)
+        self.original: Callable[..., Any] | None = None  # the engine's attention (the patch's direct path, attend)
+        self._tables()
+
+    def _fresh(self) -> None:
+        """The state one forward builds up, as it starts (:meth:`__init__`, and :meth:`again` for the
+        next forward on this plan)."""
+        self.write = False  # this forward checks writes (set by plan)
+        self.checks = bytes(len(self.names))  # the layer rows whose writes it checks (set by plan)
+        self.trusted = 0  # layers whose new tokens were folded from their computed rows unchecked
+        self.differ = False  # a checked write differs (the per-layer call's count was not 0)
         self.md: Any = None  # the last metadata seen, and whether its attention is causal
         self.md_causal = True
         self.md_plain: Any = None  # the last metadata seen where it is causal (the plain path's)
@@ -110,28 +127,17 @@ class WideForward:
         self.kdt: Any = None
         self.vdt: Any = None
         # the rows the attention patch may take on the plain path from its first statement: plain rows
-        # without audited queries, each until seen this forward (Python's fewest steps: a layer's call
-        # runs 30 times a forward, where each object touched is a cache miss)
-        self.open = bytearray(base.plain)
-        self.plain_by_layer = base.plain_by_layer
-        self.keep_layer = base.keep_layer()  # looked up each forward (a fault may replace them)
-        self.keep_queries = base.fused.keep_queries
-        self.ptrs = np.zeros((len(names), 4), dtype=np.int64) if len(qt) else NO_PTRS
-        self.audited = set(qt[:, Q_LAYER].tolist()) if len(qt) else NO_LAYERS  # the layer rows with queries
-        for li in self.audited:
-            self.open[li] = 0
+        # without audited queries (__init__ closes the audited ones), each until seen this forward
+        # (Python's fewest steps: a layer's call runs 30 times a forward, where each object touched is
+        # a cache miss)
+        self.open = bytearray(self.base.plain)
+        self.keep_layer = self.base.keep_layer()  # looked up each forward (a fault may replace them)
+        self.keep_queries = self.base.fused.keep_queries
         self.wrote: list[int] = []
-        self.st = np.zeros(STRIDE_COLUMNS, dtype=np.int64)  # the layers' tensors' strides, from the first one's
         self.shape: tuple[Any, ...] | None = None  # the first layer's K and V strides and dtypes
         self.qo_shape: tuple[Any, ...] | None = None  # and its query's and output's, and its heads
-        self.width = width
-        self.seen = bytearray(len(names))  # the layer rows seen this forward (a second sight voids the folds)
-        self.audit: Any = None  # the audit that planned it (plan)
-        self.by_layer = base.by_layer  # the layers seen, by their module (the attention patch's direct path)
-        self.clock = [0.0]  # the seconds of the per-layer work, the audit's clock (plan)
-        self.original: Callable[..., Any] | None = None  # the engine's attention (the patch's direct path, attend)
+        self.seen = bytearray(len(self.names))  # the layer rows seen this forward (a second sight voids the folds)
         self.live = True  # until the audit withdraws it (the forward's end, or a failure of the canary's own)
-        self._tables()
 
     @classmethod
     def plan(cls, audit: Planner, live: list[Any], base: WideBase, queries: list[Any], fold: Fold) -> "WideForward":
@@ -190,15 +196,7 @@ class WideForward:
         for i, g in enumerate(live):
             self.steps[i] = describe(g.step)
         self.fold.reset()
-        self.seen[:] = bytes(len(self.seen))
-        self.open[:] = base.plain  # (no audited rows: a plan with queries is not run again)
-        self.trusted, self.differ, self.wrote = 0, False, []
-        self.md, self.md_causal, self.md_plain = None, True, None
-        self.shape = self.qo_shape = self.kst = self.vst = self.kdt = self.vdt = None
-        self.checks = bytes(len(self.names))
-        self.keep_layer = base.keep_layer()
-        self.keep_queries = base.fused.keep_queries
-        self.live = True
+        self._fresh()  # (no audited rows to close: a plan with queries is not run again)
         self._arm(audit)
         return True
 
