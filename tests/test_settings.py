@@ -82,9 +82,9 @@ def test_a_bare_canary_refuses_healing_modes_and_names_the_adapters(mode):
 
 
 def test_guard_slots_of_a_metadata_only_canary_are_said_once(caplog, monkeypatch):
-    from kvcanary import canary as canary_module
+    from kvcanary import canary_args
 
-    monkeypatch.setattr(canary_module, "_said_unguarded", [])
+    monkeypatch.setattr(canary_args, "_said_unguarded", [])
     kv = torch.zeros(16, 8)
     layout = KvLayout((ByteSource.from_tensor("kv", kv),), reserved=(3,))
     with caplog.at_level(logging.WARNING, logger="kvcanary"):

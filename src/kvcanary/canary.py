@@ -1,6 +1,7 @@
 """The object an engine talks to: stamps one KV pool, verifies reads, stamps writes, reports.
 
-A :class:`Canary` orchestrates; what it runs lives beside it: the ops and their backends
+A :class:`Canary` orchestrates; what it runs lives beside it: its arguments' checks
+(:mod:`kvcanary.canary_args`), the ops and their backends
 (:mod:`kvcanary.ops`), the step checks (:mod:`kvcanary.step_check`), the patrol's walk
 (:mod:`kvcanary.patrol`), the guard slots and padding writes (:mod:`kvcanary.guards`) and the
 sinks of drained violations (:mod:`kvcanary.reporting`).
@@ -11,15 +12,14 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 import torch
 
-from kvcanary import checks, ops, step_check
+from kvcanary import canary_args, checks, ops, step_check
 from kvcanary.config import CanaryConfig
-from kvcanary.errors import ConfigError, KvCanaryError, LayoutError, UnsupportedError
+from kvcanary.errors import KvCanaryError
 from kvcanary.guards import GuardSlots
 from kvcanary.harm import CheckLedger
 from kvcanary.layout import KvLayout
@@ -30,7 +30,6 @@ from kvcanary.violations import Counter, Site, Violation, ViolationRing
 from kvcanary.writers import last_writer, new_writers, note_writers
 
 log = logging.getLogger("kvcanary")
-MAX_SLOTS = 1 << 62  # slot ids and byte offsets are int64
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -109,17 +108,16 @@ class Canary:
         *,
         healer: str | None = None,
     ) -> None:
-        self.config = _checked_config(config, healer)
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 < num_slots < MAX_SLOTS:
-            raise ConfigError(f"num_slots: expected an integer in 1 .. {MAX_SLOTS - 1}, got {num_slots!r}")
-        layout = _checked_layout(layout, self.config.content)
-        self.device = _pool_device(device, layout)
+        self.config = canary_args.checked_config(config, healer)
+        num_slots = canary_args.checked_num_slots(num_slots)
+        layout = canary_args.checked_layout(layout, self.config.content)
+        self.device = canary_args.pool_device(device, layout)
         layout.check_covers(num_slots)
-        _check_stamp_memory(num_slots, self.device)
+        canary_args.check_stamp_memory(num_slots, self.device)
         self.num_slots = num_slots
         self.layout = layout if self.config.content == "all" else KvLayout()
         per_slot = self.layout.content_bytes_per_slot
-        self.content_slots = _content_slots(self.config.budget_for(self.device.type), per_slot)
+        self.content_slots = canary_args.content_slots(self.config.budget_for(self.device.type), per_slot)
         self.backend = ops.resolve_backend(self.config.backend, self.device)
         self.validate = self.config.validate if self.config.validate is not None else self.backend != "triton"
         self._ops = ops.load(self.backend)
@@ -494,78 +492,3 @@ class Canary:
     def coverage(self) -> dict[str, float]:
         """:func:`~kvcanary.reporting.coverage_of` this canary's stats."""
         return coverage_of(self.stats())
-
-
-def _content_slots(budget: int | None, per_slot: int) -> int | None:
-    """Slots whose bytes each forward's verify fingerprints (``None``: all of them)."""
-    if budget is not None and 0 < budget < per_slot:
-        raise ConfigError(
-            f"content_budget_bytes: {budget} is less than one slot's {per_slot} content bytes; "
-            f"expected 0 (no per-step content checks) or >= {per_slot}"
-        )
-    return None if budget is None or not per_slot else budget // per_slot
-
-
-def _checked_config(config: CanaryConfig | None, healer: str | None) -> CanaryConfig:
-    if config is not None and not isinstance(config, CanaryConfig):
-        raise ConfigError(f"config: expected a CanaryConfig, got {type(config).__name__} {config!r}")
-    config = config or CanaryConfig()
-    if config.mode in ("quarantine", "repair") and healer is None:
-        raise ConfigError(
-            f"mode: expected 'off', 'log' or 'raise' for a Canary without an engine adapter, got {config.mode!r}: "
-            f"healing fails or recomputes requests, which only an engine adapter can (kvcanary.protect(model) for "
-            f"transformers continuous batching, the KvCanaryConnector for vLLM); a bare Canary reports, and "
-            f"on_violation callbacks can act on what it finds")
-    return config
-
-
-def _checked_layout(layout: KvLayout | None, content: str) -> KvLayout:
-    if layout is not None and not isinstance(layout, KvLayout):
-        raise ConfigError(f"layout: expected a KvLayout or None, got {type(layout).__name__}")
-    layout = layout or KvLayout()
-    if (layout.reserved or layout.guards) and not layout.sources:
-        which = ", ".join(f"{k}={getattr(layout, k)}" for k in ("reserved", "guards") if getattr(layout, k))
-        raise LayoutError(f"layout: expected sources whose bytes the guard slots are checked in, got {which} on "
-                          "a layout without sources (metadata only: drop the guard slots, or add the sources)")
-    if content == "none" and (layout.reserved or layout.guards) and not _said_unguarded:
-        _said_unguarded.append(True)  # once per process: every adapter's pool has its null block
-        log.warning("kvcanary: content='none' (KVCANARY_CONTENT=none): the layout's guard slots (%s) are not checked, "
-                    "since no bytes are fingerprinted; content='all' checks them on every forward",
-                    ", ".join(f"{k}: {len(getattr(layout, k))}" for k in ("reserved", "guards") if getattr(layout, k)))
-    return layout
-
-
-_said_unguarded: list[bool] = []
-
-
-def _pool_device(device: torch.device | str | None, layout: KvLayout) -> torch.device:
-    if device is None:
-        device = layout.sources[0].tensor.device if layout.sources else torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device: expected a torch device or its name, got {device!r} ({e})") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise UnsupportedError(f"device: expected cpu or cuda, got {dev.type}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedError(f"device: {dev} was asked for, but this torch build sees no CUDA device")
-    if layout.sources and layout.sources[0].tensor.device != dev:
-        raise ConfigError(f"layout lives on {layout.sources[0].tensor.device}, the canary on {dev}")
-    return dev
-
-
-def _check_stamp_memory(num_slots: int, device: torch.device) -> None:
-    """Refuse a stamp pool that cannot fit, before allocating it."""
-    need = num_slots * 4 * 8
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:
-            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # all of it: page cache is reclaimable
-        except (ValueError, OSError, AttributeError):
-            return
-    if need > free:
-        raise ConfigError(
-            f"num_slots: {num_slots} slots need {need / 2**30:.1f} GiB of stamps (32 bytes a slot); "
-            f"{device} has {free / 2**30:.1f} GiB {'free' if device.type == 'cuda' else 'in all'}"
-        )

@@ -24,7 +24,7 @@ import torch
 from kvcanary.errors import StepError
 
 _INT_DTYPES = (torch.int32, torch.int64)
-# = canary.MAX_SLOTS: no pool reaches it, and a table entry at most this / block_size times
+# = canary_args.MAX_SLOTS: no pool reaches it, and a table entry at most this / block_size times
 # block_size, plus an in-block offset, still fits int64
 _SLOT_LIMIT = 1 << 62
 
