@@ -350,6 +350,7 @@ OTHER_ENV: dict[str, str] = {
     "KVCANARY_SGLANG_FUZZ": "the SGLang tests: rounds of the randomized clean fuzz (0: off)",
     "KVCANARY_TEST_CONTROL": "the SGLang tests' control plugin: the directory its commands and state are in",
     "KVCANARY_REAL_PYTHON": "the vLLM fuzz: an interpreter with kvcanary's real extra, to convert the trained model",
+    "KVCANARY_TEST_WORKERS": "scripts/test and test-vllm: the suite's worker processes (pytest-xdist; 0: one process)",
 }
 _warned: set[str] = set()
 
