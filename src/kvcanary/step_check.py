@@ -46,7 +46,7 @@ def prepare(step: Step, pages: frozenset[int], device: torch.device, num_slots: 
     check_step(step, pages, device)
     if validate:
         if fused:
-            from kvcanary.fused.ops import validate as fused_validate
+            from kvcanary.fused.steps import validate as fused_validate
 
             fused_validate(step, num_slots)
         else:

@@ -91,7 +91,7 @@ def _warm_up() -> None:
     step = Step(cached_lens=one, new_offsets=torch.tensor([0, 1]), new_tokens=one, new_positions=one,
                 new_slots=one, block_table=torch.zeros(1, 2, dtype=torch.int64), block_size=4)
     step.validate_shapes()
-    ops.validate(step, 8)
+    steps.validate(step, 8)
     ops.stamp(stamps, table, step, counters, ring)
     ops.verify(stamps, table, step, counters, torch.zeros(1, dtype=torch.int64), None, ring)
     scrub.scrub(stamps, table, one, counters, ring)

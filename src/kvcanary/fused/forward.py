@@ -22,7 +22,8 @@ import numpy as np
 from kvcanary.fused._core import JIT, ld_i64
 from kvcanary.fused._step import CL, NNEW, NROWS, NS, WF, bump, checked_out, rd
 from kvcanary.fused.cache import njit
-from kvcanary.fused.ops import _NO_FOLD, _NO_LEDGER, _STEPS, _seeds, _stamp, _validate, _verify, mark_checked
+from kvcanary.fused.ops import _NO_FOLD, _NO_LEDGER, _STEPS, _seeds, _stamp, _verify, mark_checked
+from kvcanary.fused.steps import values_bad
 from kvcanary.fused.scrub import _K_SCBYTES, _K_SCRUBBED, _guard, scrub_run
 from kvcanary.fused.steps import _note_writers
 from kvcanary.violations import Site
@@ -47,7 +48,7 @@ CALL_FIELDS = 7
 def _before(d, c, k, src, runs, keys, led_at, led_before):  # type: ignore[no-untyped-def]
     """-1 when the step's values fail the check (nothing verified), else the read slots verified."""
     n = c[C_NUM_SLOTS]
-    if k[K_CHECK] and _validate(d, n):
+    if k[K_CHECK] and values_bad(d, n):
         return -1
     return _verify(d, c[C_STAMPS], n, src, runs, keys, c[C_COUNTERS], c[C_CURSOR], k[K_CONTENT], c[C_RING], c[C_CAP],
                    c[C_BPS], k[K_PART], led_at, led_before, k[K_FORWARD])
@@ -64,7 +65,7 @@ def _after(d, c, k, src, runs, keys, writers, led_at, led_before, pre_acc, pre_c
     stamps, num_slots, counters, ring, cap, bps = c[C_STAMPS], c[C_NUM_SLOTS], c[C_COUNTERS], c[C_RING], c[C_CAP], \
         c[C_BPS]
     forward = k[K_FORWARD]
-    if k[K_CHECK] and _validate(d, num_slots):
+    if k[K_CHECK] and values_bad(d, num_slots):
         return INVALID
     nrows = d[NROWS]
     seed = np.empty(nrows, dtype=np.int64)

@@ -1,7 +1,8 @@
-"""The fused CPU implementation of each step op (verify, stamp, the step's checks): one compiled
+"""The fused CPU implementation of each step op (verify, stamp, their seeds): one compiled
 loop over the step's rows and slots, bit for bit the torch reference (:mod:`kvcanary.checks`),
 writing violation rows straight into the canary's ring and bumping its counters in place, as the
-Triton kernels do. The loops over cold cache (scrub, guard, content) are in :mod:`kvcanary.fused.scrub`.
+Triton kernels do. The loops over cold cache (scrub, guard, content) are in :mod:`kvcanary.fused.scrub`,
+the step's value check in :mod:`kvcanary.fused.steps`.
 
 Each loop runs on the calling thread (no thread pool of its own, so it never competes with the
 engine's), allocates nothing per read slot (the stamp op keeps a few words per written slot to
@@ -14,13 +15,12 @@ import numpy as np
 import torch
 
 from kvcanary.checks import EMPTY_POS, SEED_GIVEN, SEED_STORED, SEED_UNKNOWN, UNKNOWN_POS
-from kvcanary.errors import KvCanaryError
 from kvcanary.fused._core import JIT, SEED, finish_content, g_term, ld, ld_i64, link_next, prefetch, st_i64
 from kvcanary.fused.fold import SourceTable, fold_slot, fold_slots
-from kvcanary.fused._step import (CL, ENP, ENT, ER, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
+from kvcanary.fused._step import (CL, ENP, ENT, ET, NNEW, NO, NP, NROWS, NS, NT, WF, bump, checked_out,
                                   describe, expected_row, lookup, rd, rd2, record, ring_args, start, table_row,
                                   valid)
-from kvcanary.fused._step import _LIM, TAB, BSIZE, IS_BLOCK, SPAN, TR, RS
+from kvcanary.fused._step import _LIM, TAB, BSIZE, IS_BLOCK, SPAN
 from kvcanary.fused.cache import njit
 from kvcanary.step import Step
 from kvcanary.violations import Check, Counter, Site
@@ -361,52 +361,6 @@ def mark_checked(led_at, led_before, s, forward):  # type: ignore[no-untyped-def
         led_at[s] = forward
 
 
-@njit(**JIT)
-def _validate(d, num_slots):  # type: ignore[no-untyped-def]
-    """0 when :meth:`kvcanary.step.Step.validate_values` would pass, else 1 (no message: the torch
-    check runs again to word it)."""
-    nrows, nnew = d[NROWS], d[NNEW]
-    if rd(d, NO, 0) != 0 or rd(d, NO, nrows) != nnew:
-        return 1
-    span_max = d[SPAN]
-    bs = d[BSIZE]
-    for r in range(nrows):
-        cnt = rd(d, NO, r + 1) - rd(d, NO, r)
-        cached = rd(d, CL, r)
-        if cnt < 0 or cached < 0:
-            return 1
-        ok = valid(d, r)
-        span = cached + cnt
-        if ok and span > span_max:
-            return 1
-        lo = 0
-        if d[RS] != 0:
-            lo = rd(d, RS, r)
-            if lo < 0 or lo > cached or not (lo < cached or cached == 0 or cnt == 0 or not ok):
-                return 1
-        if d[TR] != 0:
-            t = rd(d, TR, r)
-            if t < 0 or t >= d[TAB + 4]:
-                return 1
-        if d[ER] != 0:
-            t = rd(d, ER, r)
-            if t < 0 or t >= d[ET + 4]:
-                return 1
-        if d[IS_BLOCK] != 0 and ok:
-            t = table_row(d, r)
-            for c in range(lo // bs, min(d[TAB + 5], (span + bs - 1) // bs)):
-                first = c * bs
-                last_off = min(span, first + bs) - 1 - first
-                limit = (num_slots - 1 - last_off) // bs
-                e = rd2(d, TAB, t, c)
-                if e < 0 or e > limit:
-                    return 1
-    for t in range(nnew):
-        if rd(d, NS, t) >= num_slots or rd(d, NP, t) < 0:
-            return 1
-    return 0
-
-
 # ---- the Python side: descriptors in, the compiled loop, nothing else --------------------------
 
 
@@ -447,11 +401,3 @@ def stamp(stamps: torch.Tensor, src: SourceTable, step: Step, counters: torch.Te
     _seeds(d, st, stamps.shape[0], seed, mode)
     _stamp(d, st, stamps.shape[0], src.src, src.runs, src.keys, c, rg, cap, src.bytes_per_slot, seed, mode, _NO_FOLD,
            _NO_LEDGER)
-
-
-def validate(step: Step, num_slots: int) -> None:
-    """:meth:`kvcanary.step.Step.validate_values` at the cost of one pass over the step's rows; on
-    a bad value the torch check runs to word the error."""
-    if _validate(describe(step), num_slots):
-        step.validate_values(num_slots)
-        raise KvCanaryError("kvcanary internal error: the fused step check refused a step the torch check accepts")
