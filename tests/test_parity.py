@@ -194,7 +194,7 @@ def test_parity_scrub(backend, lay):
 
 def test_fused_validation_accepts_what_torch_accepts():
     """The fused step check refuses exactly the steps the torch check refuses, with its message."""
-    from kvcanary.fused import ops as fused
+    from kvcanary.fused import steps as fused
 
     rng = random.Random(11)
     refused = 0
