@@ -23,9 +23,8 @@ from kvcanary.fused._core import JIT, ld_i64
 from kvcanary.fused._step import CL, NNEW, NROWS, NS, WF, bump, checked_out, rd
 from kvcanary.fused.cache import njit
 from kvcanary.fused.ops import _NO_FOLD, _NO_LEDGER, _STEPS, _seeds, _stamp, _verify, mark_checked
-from kvcanary.fused.steps import values_bad
 from kvcanary.fused.scrub import _K_SCBYTES, _K_SCRUBBED, _guard, scrub_run
-from kvcanary.fused.steps import _note_writers
+from kvcanary.fused.steps import _note_writers, values_bad
 from kvcanary.violations import Site
 
 INVALID, DONE, STAMPED = -1, 0, 1  # what the after-forward entry did (see _after)
