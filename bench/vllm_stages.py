@@ -272,7 +272,8 @@ def main() -> int:
                       "forward_ms": round(1e3 * wall / max(st["forwards"], 1), 2),
                       "content_MiB_per_forward": round((st["content_bytes_verified"] + st["content_bytes_stamped"])
                                                        / 2**20 / max(st["forwards"], 1), 3),
-                      "threads": args.threads, "set": args.set, "compiled": args.compiled}))
+                      "steps_kept": st.get("steps_kept"), "threads": args.threads, "set": args.set,
+                      "compiled": args.compiled}))
     return 0
 
 

@@ -14,7 +14,8 @@ from kvcanary import CanaryConfig
 from kvcanary.canary import Canary
 from kvcanary.engines.token_book import TokenBook
 from kvcanary.engines.vllm.groups import plan_groups
-from kvcanary.engines.vllm.steps import ReqStep, block_slots, build_step, match_rows, read_starts, rolled_back
+from kvcanary.engines.vllm.steps import (Kept, ReqStep, block_slots, build_step, match_rows, read_starts,
+                                         rolled_back)
 from kvcanary.layout import ByteSource, KvLayout
 from kvcanary.violations import Check
 
@@ -52,14 +53,15 @@ def metadata(table: list[list[int]], seq_lens: list[int], new: list[int]) -> Sim
 
 
 def forward(pool: Pool, book: TokenBook, md: SimpleNamespace, reqs: list[ReqStep], window: int | None,
-            written: dict[int, int] | None = None) -> list:
-    """One forward as the connector runs it: steps, rollback releases, verify, the engine's writes
-    (``written``: slot -> token actually written, default the step's tokens), stamp, drain."""
+            written: dict[int, int] | None = None, kept: Kept | None = None) -> list:
+    """One forward as the connector runs it: steps (on ``kept``'s buffers where given), rollback
+    releases, verify, the engine's writes (``written``: slot -> token actually written, default the
+    step's tokens), stamp, drain."""
     for r in reqs:
         if r.tokens:
             book.extend(r.req_id, r.start, r.tokens)
-    rows = match_rows(md, reqs, book)
-    step = build_step(md, rows, BS, window)
+    rows = match_rows(md, reqs, book, kept=kept)
+    step = build_step(md, rows, BS, window, kept=kept)
     for _, gone in rolled_back(step, rows, BS):
         pool.canary.release(gone)
     pool.canary.before_forward(step)
@@ -285,3 +287,118 @@ def test_the_device_rows_and_steps_equal_the_host_construction_without_a_host_sy
         # read back after the forward: the host path's rows, request for request
         back = resolve(rows)
         assert back.rids == host.rids and back.reqs == host.reqs and back.unknown_new == host.unknown_new
+
+
+class Buffers:
+    """vLLM's metadata buffers, kept by its runner and refilled in place: each forward's metadata views
+    their first rows (the same addresses forward after forward)."""
+
+    def __init__(self, rows: int = 8, tokens: int = 64, width: int = 32) -> None:
+        self.qsl, self.seq = torch.zeros(rows + 1, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32)
+        self.slots, self.table = torch.zeros(tokens, dtype=torch.int64), torch.zeros(rows, width, dtype=torch.int32)
+
+    def metadata(self, table: list[list[int]], seq_lens: list[int], new: list[int]) -> SimpleNamespace:
+        md = metadata(table, seq_lens, new)
+        r, n, w = len(table), md.num_actual_tokens, md.block_table.shape[1]
+        self.qsl[: r + 1] = md.query_start_loc
+        self.seq[:r] = md.seq_lens
+        self.slots[:n] = md.slot_mapping
+        self.table[:r] = 0
+        self.table[:r, :w] = md.block_table
+        return SimpleNamespace(query_start_loc=self.qsl[: r + 1], seq_lens=self.seq[:r], slot_mapping=self.slots[:n],
+                               block_table=self.table[:r], num_actual_tokens=n)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_kept_rows_and_steps_equal_the_torch_construction_forward_after_forward(seed):
+    """On a Kept, runs of forwards whose metadata refills the same buffers (decodes; drafts, padding
+    rows, requests joining and leaving change the shape now and then) get rows and steps equal to the
+    torch construction field for field in two groups (one with a window); the same step object
+    while the shape holds, with the last forward's model positions cleared; a new one when it changes."""
+    rng = random.Random(seed)
+    bufs, book, kept = Buffers(), TokenBook(), Kept()
+    free = list(range(1, 250))
+    rng.shuffle(free)
+    live: dict[str, dict] = {}
+    last: dict[int, object] = {}
+    shape = None
+    reused = 0
+    window = rng.randint(2, 12)
+    for fwd in range(40):
+        if len(live) > 1 and rng.random() < 0.05:  # a request leaves
+            live.pop(rng.choice(sorted(live)))
+        if not live or rng.random() < 0.06:  # a request joins with its prompt
+            toks = [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
+            live[f"r{fwd}"] = {"table": [free.pop()], "computed": 0, "toks": toks, "new": len(toks)}
+        table, seqs, news, reqs = [], [], [], []
+        for rid, q in sorted(live.items()):
+            drafts = [rng.randrange(1000) for _ in range(rng.randint(1, 2))] if rng.random() < 0.05 else []
+            new = q["new"] + len(drafts)
+            seq = q["computed"] + new
+            while len(q["table"]) * BS < seq:
+                q["table"].append(free.pop())
+            table.append(q["table"])
+            seqs.append(seq)
+            news.append(new)
+            if rng.random() < 0.95:  # else: a padding row
+                book.extend(rid, 0, q["toks"])
+                reqs.append(ReqStep(rid, q["computed"], new, first_slot(q["table"], q["computed"]), 0, [], drafts=drafts))
+            q["computed"] = seq - len(drafts)
+            q["toks"].append(rng.randrange(1000))
+            q["new"] = 1
+        md = bufs.metadata(table, seqs, news)
+        a = match_rows(md, reqs, book, fused=True, kept=kept)
+        b = match_rows(md, reqs, book, fused=False)
+        assert a.rids == b.rids and a.unknown_new == b.unknown_new
+        assert torch.equal(a.valid, b.valid) and torch.equal(a.record_rows, b.record_rows)
+        assert torch.equal(a.new_tokens, b.new_tokens) and a.record is book.buf
+        same = shape == (len(table), md.num_actual_tokens)
+        shape = (len(table), md.num_actual_tokens)
+        for group, w in enumerate((None, window)):
+            x = build_step(md, a, BS, w, fused=True, kept=kept, group=group)
+            y = build_step(md, b, BS, w, fused=False)
+            assert_steps_equal(x, y)
+            assert (x is last.get(group)) == same
+            reused += same
+            last[group] = x
+            x.assign_new("expected_new_positions", x.new_positions.clone())  # the model's positions (entry)
+    assert reused >= 20  # most forwards ran on the kept steps
+
+
+def test_a_kept_step_sees_each_forwards_values():
+    """Decode forwards on a Kept verify clean; a table entry redirected in place in the metadata's
+    buffer (the kept step's view reads it) and a cached token's bytes changed are each reported in
+    the forward that reads them."""
+    pool, book, bufs, kept = Pool(blocks=16), TokenBook(), Buffers(), Kept()
+    tables = {"a": [1, 2, 6], "b": [3, 4, 7]}
+    toks = {"a": [5, 6, 7], "b": [8, 9]}
+    for rid, t in toks.items():
+        md = bufs.metadata([tables[rid]], [len(t)], [len(t)])
+        assert forward(pool, book, md, [ReqStep(rid, 0, len(t), first_slot(tables[rid], 0), 0, t)], None,
+                       kept=kept) == []
+    found = []
+    for fwd in range(6):
+        reqs, seqs = [], []
+        for rid in ("a", "b"):
+            c = len(toks[rid])
+            toks[rid].append(10 * fwd + len(rid))
+            reqs.append(ReqStep(rid, c, 1, first_slot(tables[rid], c), c, toks[rid][c:]))
+            seqs.append(c + 1)
+        md = bufs.metadata([tables["a"], tables["b"]], seqs, [1, 1])
+        if fwd == 3:
+            bufs.table[1, 0] = 5  # b's first block redirected to one it never wrote
+        if fwd == 5:
+            pool.kv[1, 1, 0] += 1  # a's position 1 no longer holds its token
+        found.append(forward(pool, book, md, reqs, None, kept=kept))
+    assert found[0] == found[1] == found[2] == found[4] == []
+    assert found[3] and {v.row for v in found[3]} == {1}
+    assert found[5] and {v.slot for v in found[5]} == {1 * BS + 1}
+    assert kept.reused == 5  # the decode forwards ran on one kept step
+    # a table entry past the pool, written into the kept step's view: refused (values are checked on
+    # each use), counted as the canary's own error in log mode, never read
+    errors = pool.canary.stats()["internal_errors"]
+    c = len(toks["a"])
+    md = bufs.metadata([tables["a"], tables["b"]], [c + 1, len(toks["b"]) + 1], [1, 1])
+    bufs.table[0, 0] = 10**6
+    forward(pool, book, md, [ReqStep("a", c, 1, first_slot(tables["a"], c), c, [99])], None, kept=kept)
+    assert kept.reused == 6 and pool.canary.stats()["internal_errors"] > errors

@@ -76,15 +76,21 @@ class Step:
         self.__dict__.pop("_memo", None)  # a field assigned anew: the cached shape check and descriptor go
         object.__setattr__(self, name, value)
 
-    def assign_new(self, name: str, value: torch.Tensor) -> None:
+    def assign_new(self, name: str, value: torch.Tensor | None) -> None:
         """Assign ``expected_new_tokens`` or ``expected_new_positions`` (``name``) while the step is in
         use: where ``value`` passes that field's shape check (1-d, ``num_new`` integers on the step's
-        device) what the canary cached about the step stays, the field named in its memo as changed
-        (the fused path's descriptor remakes that field's entries on its next use); any other value
-        is assigned as any field is (the memo goes, every check runs again)."""
+        device), or is ``None`` (the field cleared), what the canary cached about the step stays, the
+        field named in its memo as changed (the fused path's descriptor remakes that field's entries
+        on its next use); any other value is assigned as any field is (the memo goes, every check
+        runs again)."""
         if name not in ("expected_new_tokens", "expected_new_positions"):
             raise StepError(f"assign_new: expected expected_new_tokens or expected_new_positions, got {name!r}")
         memo = self.__dict__.get("_memo")
+        if memo is not None and value is None:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, None)
+                memo.setdefault("changed", set()).add(name)
+            return
         if (memo is None or not isinstance(value, torch.Tensor) or value.dtype not in _INT_DTYPES
                 or value.device != self.cached_lens.device or tuple(value.shape) != (self.num_new,)):
             setattr(self, name, value)

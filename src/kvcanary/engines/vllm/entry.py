@@ -49,7 +49,7 @@ from kvcanary.engines.vllm.device_steps import DeviceRows, device_rows, device_s
 from kvcanary.engines.vllm.groups import GroupPlan, plan_groups, single_group
 from kvcanary.engines.vllm.scheduler import CanaryMeta, SchedulerSide
 from kvcanary.engines.vllm.settings import connector_config, pp_rank, rank
-from kvcanary.engines.vllm.steps import (ReqStep, Rows, block_slots, build_step, match_rows, rolled_back,
+from kvcanary.engines.vllm.steps import (Kept, ReqStep, Rows, block_slots, build_step, match_rows, rolled_back,
                                          written_by)
 from kvcanary.engines.vllm.transfer import TransferSide
 from kvcanary.errors import UnsupportedError
@@ -105,6 +105,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         self.forwards = 0
         self.rows: Rows | None = None  # this forward's rows, matched to their requests
         self.drows: DeviceRows | None = None  # the device path: this forward's rows, not read back yet
+        self.kept = Kept()  # the CPU path's rows' and steps' buffers, kept across forwards of one shape
         self.device_forwards = 0  # forwards whose steps were built on the device
         self._history: dict[int, list[str]] = {}  # forward -> its rows' request ids (the diagnosis' writers)
         self.seen: set[str] = set()  # requests whose first read of cached KV was verified
@@ -264,10 +265,11 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         if self._on_device(md):
             self._before_on_device(mds, live)
             return
-        rows = match_rows(md, meta.reqs, self.book)
-        self.rows = rows
+        # the kept buffers where every canary checks a step's values on each use (compiled)
+        kept = self.kept if all(g.canary.backend == "fused" for g in live) else None
+        rows = self.rows = match_rows(md, meta.reqs, self.book, kept=kept)
         for g in live:
-            g.step = build_step(mds[g.plan.index], rows, g.plan.block_size, g.plan.window)
+            g.step = build_step(mds[g.plan.index], rows, g.plan.block_size, g.plan.window, kept=kept, group=g.plan.index)
         self._bookkeep(rows, live)
         self._verify_first_reads(live, rows)
         for g in live:
@@ -433,6 +435,7 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         out = Adapter.stats(self)
         out["forwards"] = self.forwards
         out["device_forwards"] = self.device_forwards
+        out["steps_kept"] = self.kept.reused  # a group's step refilled in place (the shape held)
         plans = self.plans or []
         out["kv_cache_groups"] = len(plans) or len(self.groups)
         out["kv_cache_groups_covered"] = len(self.groups)
@@ -446,4 +449,5 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         for g in self.groups:
             g.step = None
         self.rows = self.drows = None
+        self.kept = Kept()
         Adapter.recover(self)

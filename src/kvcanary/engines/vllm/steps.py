@@ -62,21 +62,46 @@ class Rows:
     unknown_new: bool  # a new token's id is not known (a draft the scheduler had not filled in)
 
 
-def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None = None) -> Rows:
+class Kept:
+    """One connector's rows' buffers (new token ids, rows' validity and book rows) and each KV cache
+    group's kept step, from one forward to the next (:mod:`kvcanary.engines.vllm.compiled`)."""
+
+    def __init__(self) -> None:
+        self.shape: tuple[int, int] | None = None  # the rows' buffers' (rows, new tokens)
+        self.new = self.valid = self.book_rows = torch.empty(0, dtype=torch.int64)
+        self.steps: dict[int, Any] = {}  # by group index (kvcanary.engines.vllm.compiled's kept steps)
+        self.reused = 0  # steps refilled in place
+
+    def rows(self, r: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' buffers for ``r`` rows and ``n`` new tokens: the new tokens' ids (int64 ``[n]``),
+        each row's validity (bool ``[r]``) and book row (int64 ``[r]``); made again (and the kept
+        steps dropped) where the shape differs from the last forward's."""
+        if self.shape != (r, n):
+            self.shape = (r, n)
+            self.new, self.book_rows = torch.empty(n, dtype=torch.int64), torch.empty(r, dtype=torch.int64)
+            self.valid = torch.empty(r, dtype=torch.bool)
+            self.steps = {}
+        return self.new, self.valid, self.book_rows
+
+
+def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None = None,
+               kept: Kept | None = None) -> Rows:
     """Match the rows of the primary group's metadata ``md`` to ``reqs`` by the slot of each row's first
     new token, and give each new token its id: a committed one from ``book``, or the draft the
     forward writes there. On CPU metadata with the fused path available (``fused=None``: whenever it
     is) the new tokens are a compiled loop (:mod:`kvcanary.engines.vllm.compiled`); elsewhere they
     are laid out on the host (a forward's new tokens) and sent with the rows' book rows: nothing is
-    sent per cached position."""
+    sent per cached position. ``kept``: the fused path's buffers kept across forwards
+    (:class:`Kept`), where the rows' tensors are filled."""
     qsl_np = md.query_start_loc.cpu().numpy()
     r = qsl_np.shape[0] - 1
     seq = md.seq_lens[:r].cpu().numpy().astype(np.int64)
     if _fused(md, fused):
         from kvcanary.engines.vllm.compiled import rows_of
 
-        rows, rids, brows, new = rows_of(md, reqs, book, qsl_np, seq)
+        rows, rids, brows, new, valid_t, brows_t = rows_of(md, reqs, book, qsl_np, seq, kept)
     else:
+        valid_t = brows_t = None
         n = int(md.num_actual_tokens)
         first = md.slot_mapping[:n].long()[md.query_start_loc[:-1].long().clamp(max=max(n - 1, 0))].tolist() if n else [-1] * r
         by_slot = {x.first_slot: x for x in reqs}
@@ -103,10 +128,12 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
         if b > a:
             arr[lo + a - c : lo + b - c] = drafts[a - d0 : b - d0]
         unknown |= bool((drafts < 0).any())
-    valid = torch.from_numpy(np.fromiter((x is not None for x in rows), dtype=np.bool_, count=len(rows)))
+    valid = valid_t if valid_t is not None else torch.from_numpy(
+        np.fromiter((x is not None for x in rows), dtype=np.bool_, count=len(rows)))
     dev = md.query_start_loc.device
     record = book.on(dev)
-    brows_t = torch.from_numpy(brows)
+    if brows_t is None:
+        brows_t = torch.from_numpy(brows)
     if dev.type != "cpu":
         valid, brows_t, new = (t.pin_memory().to(dev, non_blocking=True) for t in (valid, brows_t, new))
     return Rows(rows, rids, valid, record, brows_t, new, unknown)
@@ -125,11 +152,13 @@ def _fused_available() -> bool:
     return available() is None
 
 
-def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: bool | None = None) -> Step:
+def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: bool | None = None,
+               kept: Kept | None = None, group: int = 0) -> Step:
     """One KV cache group's step of the forward, from that group's metadata ``md``: reads of the
     positions the kernel reads before the forward; reads of slots the step itself writes, and of KV
     another connector lands this step, from ``written_from``. On CPU metadata with the fused path
-    (``fused=None``: whenever it is available) built by compiled loops."""
+    (``fused=None``: whenever it is available) built by compiled loops, on ``kept``'s buffers for KV
+    cache group ``group`` where given (the rows matched on the same ``kept``)."""
     # the rows another connector lands KV for, where any does (most forwards: none, and no array made)
     landing = any(x is not None and x.landed_from >= 0 for x in rows.reqs)
     lands = np.fromiter((x.landed_from if x is not None and x.landed_from >= 0 else -1 for x in rows.reqs),
@@ -137,7 +166,7 @@ def build_step(md: Any, rows: Rows, block_size: int, window: int | None, fused: 
     if _fused(md, fused):
         from kvcanary.engines.vllm.compiled import step_of
 
-        return step_of(md, rows, block_size, window, lands)
+        return step_of(md, rows, block_size, window, lands, kept, group)
     if lands is None:
         lands = np.full(len(rows.reqs), -1, dtype=np.int64)
     qsl = md.query_start_loc.long()
