@@ -57,6 +57,9 @@ def test_clean_runs_verify_clean_and_generate_the_same_tokens(tiny_llama, plain,
     # forwards without audited queries ran on the last forward's plan (its tables kept), and the
     # full scrub above found their folded stamps right
     assert st["audit_plans_reused"] > 0
+    # decode forwards of one shape ran on the kept steps (kvcanary.engines.vllm.steps.Kept), whose values
+    # the verify above read right
+    assert 0 < st["steps_kept"] < st["forwards"]
     if "num_blocks" in cfg:
         assert run["preemptions"] > 0  # the small pool did force preemption
     if not cfg:  # one batch of shared prefixes: prefix hits computed in the same forward, verified after it

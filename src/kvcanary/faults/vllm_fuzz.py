@@ -232,7 +232,7 @@ def judge(cfg: FuzzConfig, runs: dict[str, Any], logged: list[dict[str, Any]]) -
                            "audit_queries": st.get("audit_queries", 0),
                            "write_slots_checked": st.get("write_slots_checked", 0),
                            "write_slots_unchecked": st.get("write_slots_unchecked", 0),
-                           "groups": st.get("kv_cache_groups_covered", 0)}
+                           "groups": st.get("kv_cache_groups_covered", 0), "steps_kept": st.get("steps_kept", 0)}
     ev = on.get("events", {})
     out.update({k: ev.get(k, 0) for k in ("drafts", "drafts_accepted", "preemptions", "window_freed_blocks",
                                           "window_reused_blocks")})

@@ -53,7 +53,7 @@ class _KeptStep:
         """The step with this forward's values (the metadata's buffers hold them)."""
         fill_new(*self.fill)
         step = self.step
-        if self.starts is not None:  # read_starts' formula, in place
+        if self.starts is not None and self.window is not None:  # read_starts' formula, in place
             c = self.fill[4]
             np.minimum(np.maximum(c - (self.window - 1), 0), np.maximum(c - 1, 0), out=self.starts.numpy())
         # the positions the model is given are this forward's (kvcanary.engines.vllm.entry.model_positions)
@@ -81,8 +81,11 @@ def rows_of(md: Any, reqs: list, book: Any, qsl: np.ndarray, seq: np.ndarray, ke
     n = int(md.num_actual_tokens)
     by_slot = {x.first_slot: x for x in reqs}
     if n:
-        first = md.slot_mapping.numpy()[:n][np.minimum(qsl[:-1], n - 1)].tolist()
-        rows = [by_slot.get(s) if q > 0 else None for s, q in zip(first, np.diff(qsl).tolist())]
+        # the rows' starts as Python ints (one conversion): right after the engine's forward each numpy
+        # call costs microseconds (cold caches), a builtin on a short list less
+        starts = qsl.tolist()
+        first = md.slot_mapping.numpy()[[min(a, n - 1) for a in starts[:-1]]].tolist()
+        rows = [by_slot.get(s) if b > a else None for s, a, b in zip(first, starts, starts[1:])]
     else:
         rows = [None] * r
     rids = [x.req_id if x is not None else "" for x in rows]
@@ -91,12 +94,13 @@ def rows_of(md: Any, reqs: list, book: Any, qsl: np.ndarray, seq: np.ndarray, ke
     if kept is None:
         book_rows = np.array(brows, dtype=np.int64)
         new, valid, brows_t = torch.empty(n, dtype=torch.int64), None, None
+        new_np = new.numpy()
     else:
         new, valid, brows_t = kept.rows(r, n)
-        book_rows = brows_t.numpy()
+        new_np, valid_np, book_rows = kept.np
         book_rows[:] = brows
-        valid.numpy()[:] = [x is not None for x in rows]
-    fill_tokens(qsl, seq, book.buf.numpy(), book_rows, new.numpy())
+        valid_np[:] = [x is not None for x in rows]
+    fill_tokens(qsl, seq, book.buf.numpy(), book_rows, new_np)
     return rows, rids, book_rows, new, valid, brows_t
 
 

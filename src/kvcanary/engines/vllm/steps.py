@@ -69,6 +69,7 @@ class Kept:
     def __init__(self) -> None:
         self.shape: tuple[int, int] | None = None  # the rows' buffers' (rows, new tokens)
         self.new = self.valid = self.book_rows = torch.empty(0, dtype=torch.int64)
+        self.np: tuple[np.ndarray, ...] = ()  # their numpy views
         self.steps: dict[int, Any] = {}  # by group index (kvcanary.engines.vllm.compiled's kept steps)
         self.reused = 0  # steps refilled in place
 
@@ -80,6 +81,7 @@ class Kept:
             self.shape = (r, n)
             self.new, self.book_rows = torch.empty(n, dtype=torch.int64), torch.empty(r, dtype=torch.int64)
             self.valid = torch.empty(r, dtype=torch.bool)
+            self.np = (self.new.numpy(), self.valid.numpy(), self.book_rows.numpy())  # for the compiled fill
             self.steps = {}
         return self.new, self.valid, self.book_rows
 
@@ -93,14 +95,17 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
     are laid out on the host (a forward's new tokens) and sent with the rows' book rows: nothing is
     sent per cached position. ``kept``: the fused path's buffers kept across forwards
     (:class:`Kept`), where the rows' tensors are filled."""
-    qsl_np = md.query_start_loc.cpu().numpy()
-    r = qsl_np.shape[0] - 1
-    seq = md.seq_lens[:r].cpu().numpy().astype(np.int64)
-    if _fused(md, fused):
+    if _fused(md, fused):  # (CPU metadata: numpy views of it as it is)
         from kvcanary.engines.vllm.compiled import rows_of
 
+        qsl_np = md.query_start_loc.numpy()
+        r = qsl_np.shape[0] - 1
+        seq = md.seq_lens.numpy()[:r]
         rows, rids, brows, new, valid_t, brows_t = rows_of(md, reqs, book, qsl_np, seq, kept)
     else:
+        qsl_np = md.query_start_loc.cpu().numpy()
+        r = qsl_np.shape[0] - 1
+        seq = md.seq_lens[:r].cpu().numpy().astype(np.int64)
         valid_t = brows_t = None
         n = int(md.num_actual_tokens)
         first = md.slot_mapping[:n].long()[md.query_start_loc[:-1].long().clamp(max=max(n - 1, 0))].tolist() if n else [-1] * r
@@ -115,9 +120,9 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
         inside = (pos >= 0) & (pos < buf.shape[1])
         new = torch.from_numpy(np.where(inside, buf[brows[row], np.where(inside, pos, 0)], -1).astype(np.int64))
     unknown = False
-    arr = new.numpy()
-    width = max(int(seq.max()) if r else 1, 1)
-    for i, x in [(i, x) for i, x in enumerate(rows) if x is not None and x.drafts]:
+    drafting = [(i, x) for i, x in enumerate(rows) if x is not None and x.drafts]
+    arr, width = (new.numpy(), max(int(seq.max()) if r else 1, 1)) if drafting else (None, 0)
+    for i, x in drafting:
         # the drafts the forward writes at positions [d0, d0 + k), over the row's new tokens
         d0 = x.computed + x.scheduled - len(x.drafts)
         k = max(0, min(len(x.drafts), width - d0))
@@ -125,7 +130,7 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
         lo, hi = int(qsl_np[i]), int(qsl_np[i + 1])
         c = int(seq[i]) - (hi - lo)
         a, b = max(d0, c), min(d0 + k, c + hi - lo)
-        if b > a:
+        if b > a and arr is not None:
             arr[lo + a - c : lo + b - c] = drafts[a - d0 : b - d0]
         unknown |= bool((drafts < 0).any())
     valid = valid_t if valid_t is not None else torch.from_numpy(
