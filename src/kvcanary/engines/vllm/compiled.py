@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcanary.engines.block_table import read_starts
 from kvcanary.fused.block_steps import fill_new, fill_tokens
 from kvcanary.fused.steps import written_from
 from kvcanary.step import Step
@@ -33,7 +32,8 @@ from kvcanary.step import Step
 
 class _KeptStep:
     """One group's step over buffers of its own and views of the metadata's buffers, with the numpy
-    views its compiled fill takes, for forwards whose ``key`` (:func:`_key`) is the same."""
+    views its compiled fill takes, for forwards whose ``key`` (:func:`_key`) is the same (a step
+    made for one forward only has none)."""
 
     def __init__(self, key: tuple[Any, ...], md: Any, rows: Any, r: int, n: int, block_size: int,
                  window: int | None) -> None:
@@ -53,7 +53,7 @@ class _KeptStep:
         """The step with this forward's values (the metadata's buffers hold them)."""
         fill_new(*self.fill)
         step = self.step
-        if self.starts is not None and self.window is not None:  # read_starts' formula, in place
+        if self.starts is not None and self.window is not None:  # kvcanary.engines.block_table.read_starts, in place
             c = self.fill[4]
             np.minimum(np.maximum(c - (self.window - 1), 0), np.maximum(c - 1, 0), out=self.starts.numpy())
         # the positions the model is given are this forward's (kvcanary.engines.vllm.entry.model_positions)
@@ -113,24 +113,16 @@ def step_of(md: Any, rows: Any, block_size: int, window: int | None, landed: np.
     qsl = md.query_start_loc
     r = qsl.shape[0] - 1
     n = int(md.num_actual_tokens)
-    if kept is not None:
+    if kept is None:  # this forward's own buffers
+        got = _KeptStep((), md, rows, r, n, block_size, window)
+    else:
         key = _key(md, rows, r, n, block_size, window)
         got = kept.steps.get(group)
         if got is None or got.key != key:
             got = kept.steps[group] = _KeptStep(key, md, rows, r, n, block_size, window)
         else:
             kept.reused += 1
-        step, wf = got.refill(), got.wf
-    else:
-        cached = torch.empty(r, dtype=torch.int64)
-        new_positions, new_slots = (torch.empty(n, dtype=torch.int64) for _ in range(2))
-        fill_new(qsl.numpy(), md.seq_lens.numpy(), md.slot_mapping.numpy(), rows.valid.numpy(), cached.numpy(),
-                 new_positions.numpy(), new_slots.numpy())
-        wf = torch.empty(r, dtype=torch.int64)
-        step = Step(cached_lens=cached, new_offsets=qsl[: r + 1], new_tokens=rows.new_tokens,
-                    new_positions=new_positions, new_slots=new_slots, block_table=md.block_table[:r],
-                    block_size=block_size, row_valid=rows.valid, expected_tokens=rows.record,
-                    expected_rows=rows.record_rows, read_starts=read_starts(cached, window), written_from=wf)
+    step, wf = got.refill(), got.wf
     written_from(step, wf)  # in place: the step's checked shapes and descriptor carry over to the canary
     w, c = wf.numpy(), step.cached_lens.numpy()
     np.minimum(w, c if landed is None else np.where(landed >= 0, landed, c), out=w)
