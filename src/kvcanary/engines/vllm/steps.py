@@ -100,7 +100,7 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
 
         qsl_np = md.query_start_loc.numpy()
         r = qsl_np.shape[0] - 1
-        seq = md.seq_lens.numpy()[:r]
+        seq = md.seq_lens.numpy()[:r].astype(np.int64)  # (the compiled loops' signature kvcanary warmup makes)
         rows, rids, brows, new, valid_t, brows_t = rows_of(md, reqs, book, qsl_np, seq, kept)
     else:
         qsl_np = md.query_start_loc.cpu().numpy()
