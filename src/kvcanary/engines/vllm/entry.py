@@ -49,8 +49,8 @@ from kvcanary.engines.vllm.device_steps import DeviceRows, device_rows, device_s
 from kvcanary.engines.vllm.groups import GroupPlan, plan_groups, single_group
 from kvcanary.engines.vllm.scheduler import CanaryMeta, SchedulerSide
 from kvcanary.engines.vllm.settings import connector_config, pp_rank, rank
-from kvcanary.engines.vllm.steps import (Kept, ReqStep, Rows, block_slots, build_step, match_rows, rolled_back,
-                                         written_by)
+from kvcanary.engines.vllm.steps import (Kept, ReqStep, Rows, block_slots, build_step, group_metadata, match_rows,
+                                         rolled_back, written_by)
 from kvcanary.engines.vllm.transfer import TransferSide
 from kvcanary.errors import UnsupportedError
 from kvcanary.geometry.base import KvGeometry
@@ -221,18 +221,8 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
             self.before_forward(connector_metadata)
 
     def metadata(self, by_layer: Any, index: int) -> Any:
-        """KV cache group ``index``'s attention metadata in this forward (``None``: none), from the
-        forward context's per-layer metadata. A layer whose metadata was rebuilt into per-chunk
-        virtual rows (chunked local attention sharing a group with other layers) is passed over."""
-        if not isinstance(by_layer, dict):
-            return by_layer
-        plans = self.plans or []
-        names = (plans[index].layers + plans[index].draft_layers) if index < len(plans) else tuple(by_layer)
-        for n in names:
-            md = by_layer.get(n)
-            if md is not None and not hasattr(md, "make_virtual_batches_block_table"):
-                return md
-        return None
+        """KV cache group ``index``'s attention metadata in this forward (:func:`group_metadata`)."""
+        return group_metadata(by_layer, self.plans or [], index)
 
     @hook("the before-forward check")
     def before_forward(self, meta: CanaryMeta) -> None:
@@ -269,7 +259,8 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         kept = self.kept if all(g.canary.backend == "fused" for g in live) else None
         rows = self.rows = match_rows(md, meta.reqs, self.book, kept=kept)
         for g in live:
-            g.step = build_step(mds[g.plan.index], rows, g.plan.block_size, g.plan.window, kept=kept, group=g.plan.index)
+            p = g.plan
+            g.step = build_step(mds[p.index], rows, p.block_size, p.window, kept=kept, group=p.index)
         self._bookkeep(rows, live)
         self._verify_first_reads(live, rows)
         for g in live:
@@ -449,5 +440,5 @@ class KvCanaryConnector(SchedulerSide, TransferSide, KVConnectorBase_V1, Support
         for g in self.groups:
             g.step = None
         self.rows = self.drows = None
-        self.kept = Kept()
+        self.kept.clear()
         Adapter.recover(self)

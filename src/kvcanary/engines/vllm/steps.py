@@ -73,6 +73,10 @@ class Kept:
         self.steps: dict[int, Any] = {}  # by group index (kvcanary.engines.vllm.compiled's kept steps)
         self.reused = 0  # steps refilled in place
 
+    def clear(self) -> None:
+        """Drop every kept buffer and step (the next forward makes them anew)."""
+        self.shape, self.steps = None, {}
+
     def rows(self, r: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' buffers for ``r`` rows and ``n`` new tokens: the new tokens' ids (int64 ``[n]``),
         each row's validity (bool ``[r]``) and book row (int64 ``[r]``); made again (and the kept
@@ -84,6 +88,21 @@ class Kept:
             self.np = (self.new.numpy(), self.valid.numpy(), self.book_rows.numpy())  # for the compiled fill
             self.steps = {}
         return self.new, self.valid, self.book_rows
+
+
+def group_metadata(by_layer: Any, plans: list[Any], index: int) -> Any:
+    """KV cache group ``index``'s attention metadata in this forward (``None``: none), from the
+    forward context's per-layer metadata (``plans``: the groups' plans, with their layers' names). A
+    layer whose metadata was rebuilt into per-chunk virtual rows (chunked local attention sharing a
+    group with other layers) is passed over."""
+    if not isinstance(by_layer, dict):
+        return by_layer
+    names = (plans[index].layers + plans[index].draft_layers) if index < len(plans) else tuple(by_layer)
+    for n in names:
+        md = by_layer.get(n)
+        if md is not None and not hasattr(md, "make_virtual_batches_block_table"):
+            return md
+    return None
 
 
 def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None = None,
