@@ -26,7 +26,7 @@ LAYERS = [
                "kvcanary.monitoring"]),
     ("checks", ["kvcanary.checks", "kvcanary.audit", "kvcanary.audit.*", "kvcanary.kernels", "kvcanary.kernels.*",
                 "kvcanary.fused", "kvcanary.fused.*", "kvcanary.ops"]),
-    ("canary", ["kvcanary.canary", "kvcanary.canary_args", "kvcanary.patrol", "kvcanary.guards", "kvcanary.step_check",
+    ("canary", ["kvcanary.canary", "kvcanary.canary_args", "kvcanary.canary_guard", "kvcanary.patrol", "kvcanary.guards", "kvcanary.step_check",
                 "kvcanary.reporting", "kvcanary.writers"]),
     ("engines", ["kvcanary.engines", "kvcanary.engines.*", "kvcanary.sim", "kvcanary.sim.*", "kvcanary.real_model"]),
     ("faults", ["kvcanary.faults", "kvcanary.faults.*"]),

@@ -3,23 +3,23 @@
 A :class:`Canary` orchestrates; what it runs lives beside it: its arguments' checks
 (:mod:`kvcanary.canary_args`), the ops and their backends
 (:mod:`kvcanary.ops`), the step checks (:mod:`kvcanary.step_check`), the patrol's walk
-(:mod:`kvcanary.patrol`), the guard slots and padding writes (:mod:`kvcanary.guards`) and the
-sinks of drained violations (:mod:`kvcanary.reporting`).
+(:mod:`kvcanary.patrol`), the guard slots and padding writes (:mod:`kvcanary.guards`), what its
+own failures recover (:mod:`kvcanary.canary_guard`) and the sinks of drained violations
+(:mod:`kvcanary.reporting`).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 
 from kvcanary import canary_args, checks, ops, step_check
+from kvcanary.canary_guard import forget_blocks, forget_slots, forget_written, guarded
 from kvcanary.config import CanaryConfig
-from kvcanary.errors import KvCanaryError
 from kvcanary.guards import GuardSlots
 from kvcanary.harm import CheckLedger
 from kvcanary.layout import KvLayout
@@ -30,52 +30,6 @@ from kvcanary.violations import Counter, Site, Violation, ViolationRing
 from kvcanary.writers import last_writer, new_writers, note_writers
 
 log = logging.getLogger("kvcanary")
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _guarded(recover: Callable[..., None] | None = None) -> Callable[[F], F]:
-    """Skip in ``off`` mode; in ``log`` and ``quarantine`` mode count and log internal errors
-    instead of raising, then run ``recover(self, *args)``: the slots the failed op should have
-    stamped become unknown, so the canary's own failure never turns into false reports later."""
-
-    def deco(fn: F) -> F:
-        @functools.wraps(fn)
-        def wrapper(self: "Canary", *args: Any, **kwargs: Any) -> Any:
-            if self.config.mode == "off" or self.disabled:
-                return None
-            if self.config.mode == "raise":
-                return fn(self, *args, **kwargs)
-            try:
-                return fn(self, *args, **kwargs)
-            except Exception as e:  # log mode never raises into the engine
-                self.note_internal_error(fn.__name__, e)
-                if recover is not None:
-                    self._recover(recover, *args)
-                return None
-
-        return wrapper  # type: ignore[return-value]
-
-    return deco
-
-
-def _forget_written(self: "Canary", step: Step, *_: Any) -> None:
-    if not isinstance(step, Step):  # which slots the forward wrote is unknown
-        self.forget_all()
-        return
-    slots = step.new_slots.long()
-    self._forget(slots[(slots >= 0) & (slots < self.num_slots)])
-
-
-def _forget_slots(self: "Canary", slots: torch.Tensor, *_: Any) -> None:
-    slots = slots.long()
-    self._forget(slots[(slots >= 0) & (slots < self.num_slots)])
-
-
-def _forget_blocks(self: "Canary", blocks: Any, block_size: Any, *_: Any) -> None:
-    from kvcanary.geometry.base import block_slots
-
-    if isinstance(block_size, int) and block_size > 0:
-        _forget_slots(self, block_slots([b for b in blocks if isinstance(b, int)], block_size))
 
 
 class Canary:
@@ -179,20 +133,15 @@ class Canary:
         else:
             log.error("kvcanary internal error in %s (counted, not raised): %s: %s", where, type(e).__name__, e)
 
-    def _recover(self, recover: Callable[..., None], *args: Any) -> None:
-        try:
-            recover(self, *args)
-        except Exception:
-            self.forget_all()
-
-    @_guarded(lambda self, *_: self.forget_all())
+    @guarded(lambda self, *_: self.forget_all())
     def forget(self, slots: torch.Tensor) -> None:
         """Put ``slots`` (int ``[n]``, in the pool) in the unknown state: their KV was or may have been
         written while the canary was not watching. Reads of them are counted as unverifiable, never
         reported, until the engine writes them again (stamped) or frees them (:meth:`release`)."""
-        self._forget(self._slots_arg("slots", slots))
+        self.forget_known(self._slots_arg("slots", slots))
 
-    def _forget(self, slots: torch.Tensor) -> None:
+    def forget_known(self, slots: torch.Tensor) -> None:
+        """:meth:`forget` of ``slots`` already checked (int64, in the pool)."""
         self.unknown_possible = True
         checks.set_state(self.stamps, slots, checks.UNKNOWN_STAMP)
 
@@ -217,7 +166,7 @@ class Canary:
     def _described(self, step: Step) -> Any:
         return step_check.described(step, self, self.pages, self.device)
 
-    @_guarded()
+    @guarded()
     def before_forward(self, step: Step) -> None:
         """Verify every cached slot the step's attention will read (position, link, token, content),
         except reads of slots this same step writes (``step.written_from``): those are verified by
@@ -249,7 +198,7 @@ class Canary:
         if self.ledger is not None:
             self.ledger.mark(slots, self.forwards)
 
-    @_guarded(_forget_written)
+    @guarded(forget_written)
     def after_forward(self, step: Step, padding_slots: torch.Tensor | None = None, patrol: bool = False,
                       folded: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Stamp every slot the step wrote, fingerprinting its KV bytes, and check the writes; then
@@ -331,7 +280,7 @@ class Canary:
     def _next_patrol(self, n: int) -> torch.Tensor:
         return self.walk.next(n, self.forwards, self.device, host=self.backend == "fused")
 
-    @_guarded()
+    @guarded()
     def scrub(self, slots: torch.Tensor | None = None) -> None:
         """Re-fingerprint cached slots and compare with their stamps.
 
@@ -345,7 +294,7 @@ class Canary:
             slots = self._slots_arg("slots", slots)
         self._scrub(slots, Site.SCRUB)
 
-    @_guarded()
+    @guarded()
     def first_read(self, slots: torch.Tensor) -> None:
         """Re-fingerprint the stamped ``slots`` now, before a forward reads them for the first time on
         behalf of a request that did not write them (a prefix-cache hit): whatever the rotating
@@ -354,7 +303,7 @@ class Canary:
         (:meth:`import_stamps`)."""
         self._scrub(self._slots_arg("slots", slots), Site.FIRST_READ)
 
-    @_guarded()
+    @guarded()
     def patrol(self) -> None:
         """One forward's share of the patrol scrub (``config.patrol_budget_bytes``), for engine
         adapters to call after each forward: the next slots of the round-robin walk over the pool
@@ -363,7 +312,7 @@ class Canary:
         if self.patrol_slots:
             self._scrub(self._next_patrol(self.patrol_slots), Site.SCRUB)
 
-    @_guarded()
+    @guarded()
     def guard(self) -> None:
         """Check the guard slots (site ``guard``, :mod:`kvcanary.guards`): the reserved slots' bytes
         against their fingerprints when the canary was made (an engine's warm-up writes into them
@@ -374,25 +323,19 @@ class Canary:
 
     # ---- the engine's own moves of KV --------------------------------------------------------
 
-    @_guarded(_forget_slots)
+    @guarded(forget_slots)
     def release(self, slots: torch.Tensor) -> None:
         """Forget the stamps of freed ``slots``: a later read of them before a write is ``EMPTY``."""
         checks.set_state(self.stamps, self._slots_arg("slots", slots), checks.EMPTY_STAMP)
 
-    @_guarded(_forget_blocks)
+    @guarded(forget_blocks)
     def release_blocks(self, blocks: list[int], block_size: int) -> None:
         """:meth:`release` of every slot of ``blocks`` (block ``b``: slots ``b * block_size`` to ``(b + 1) *
         block_size - 1``). On the fused path one compiled loop: an engine frees blocks between forwards,
         where each tensor op costs tens of microseconds on the caches a forward left cold."""
         if not blocks:
             return
-        if not isinstance(block_size, int) or block_size <= 0 or self.num_slots % block_size:
-            raise KvCanaryError(f"block_size: expected a positive int dividing the pool's {self.num_slots} slots, "
-                                f"got {block_size!r}")
-        lo, hi = min(blocks), max(blocks)
-        if lo < 0 or hi >= self.num_slots // block_size:
-            raise KvCanaryError(f"blocks: expected block ids in [0, {self.num_slots // block_size}), "
-                                f"got {lo if lo < 0 else hi}")
+        step_check.check_blocks(blocks, block_size, self.num_slots)
         if self._fast is None:
             from kvcanary.geometry.base import block_slots
 
@@ -400,7 +343,7 @@ class Canary:
         else:
             self._fast.set_blocks(blocks, block_size, checks.EMPTY_STAMP)
 
-    @_guarded()
+    @guarded()
     def export_stamps(self, slots: torch.Tensor) -> torch.Tensor | None:
         """A copy of the stamps of ``slots`` (int64 ``[n, 4]``) to travel with their KV to another tier.
 
@@ -409,7 +352,7 @@ class Canary:
         """
         return self.stamps[self._slots_arg("slots", slots)]  # an index gather: already a copy
 
-    @_guarded(_forget_slots)
+    @guarded(forget_slots)
     def import_stamps(self, slots: torch.Tensor, stamps: torch.Tensor | None) -> None:
         """Install stamps that travelled with KV now landed in ``slots``, and verify the landed bytes.
 
@@ -420,12 +363,9 @@ class Canary:
         """
         slots = self._slots_arg("slots", slots)
         if stamps is None:
-            self._forget(slots)
+            self.forget_known(slots)
             return
-        if not isinstance(stamps, torch.Tensor) or stamps.shape != (slots.shape[0], 4):
-            got = tuple(stamps.shape) if isinstance(stamps, torch.Tensor) else type(stamps).__name__
-            raise KvCanaryError(f"stamps: expected shape ({slots.shape[0]}, 4), got {got}")
-        stamps = stamps.to(self.device, torch.int64)
+        stamps = step_check.checked_stamps(stamps, slots.shape[0], self.device)
         if not self.unknown_possible:  # a copy of slots the canary lost track of stays unknown
             self.unknown_possible = bool((stamps[:, checks.POSITION] == checks.UNKNOWN_POS).any())
         self.stamps[slots] = stamps

@@ -1,6 +1,6 @@
 """The checks of a canary's arguments: a step's kind, shapes, page size and device (no values read),
 then its values where the canary validates, and on the fused path the step's descriptor, made once
-per step and canary; and the slot lists the engine hands over."""
+per step and canary; and the slot lists, block lists and travelling stamps the engine hands over."""
 
 from __future__ import annotations
 
@@ -84,6 +84,24 @@ def checked_slots(name: str, slots: Any, device: torch.device, num_slots: int, v
             bad = lo if lo < 0 else hi
             raise KvCanaryError(f"{name}: expected slot ids in [0, {num_slots}), got {bad}")
     return slots.long()
+
+
+def check_blocks(blocks: list[int], block_size: Any, num_slots: int) -> None:
+    """Block ids (non-empty) of ``block_size`` slots each, in a pool of ``num_slots``."""
+    if not isinstance(block_size, int) or block_size <= 0 or num_slots % block_size:
+        raise KvCanaryError(f"block_size: expected a positive int dividing the pool's {num_slots} slots, "
+                            f"got {block_size!r}")
+    lo, hi = min(blocks), max(blocks)
+    if lo < 0 or hi >= num_slots // block_size:
+        raise KvCanaryError(f"blocks: expected block ids in [0, {num_slots // block_size}), got {lo if lo < 0 else hi}")
+
+
+def checked_stamps(stamps: Any, n: int, device: torch.device) -> torch.Tensor:
+    """Stamps that travelled with ``n`` slots' KV (int ``[n, 4]``), as int64 on the pool's ``device``."""
+    if not isinstance(stamps, torch.Tensor) or stamps.shape != (n, 4):
+        got = tuple(stamps.shape) if isinstance(stamps, torch.Tensor) else type(stamps).__name__
+        raise KvCanaryError(f"stamps: expected shape ({n}, 4), got {got}")
+    return stamps.to(device, torch.int64)
 
 
 def refuse(step: Step, num_slots: int) -> None:

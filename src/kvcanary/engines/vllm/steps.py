@@ -140,7 +140,8 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
         new = torch.from_numpy(np.where(inside, buf[brows[row], np.where(inside, pos, 0)], -1).astype(np.int64))
     unknown = False
     drafting = [(i, x) for i, x in enumerate(rows) if x is not None and x.drafts]
-    arr, width = (new.numpy(), max(int(seq.max()) if r else 1, 1)) if drafting else (None, 0)
+    if drafting:  # (most forwards: none, and no array made)
+        arr, width = new.numpy(), max(int(seq.max()) if r else 1, 1)
     for i, x in drafting:
         # the drafts the forward writes at positions [d0, d0 + k), over the row's new tokens
         d0 = x.computed + x.scheduled - len(x.drafts)
@@ -149,7 +150,7 @@ def match_rows(md: Any, reqs: list[ReqStep], book: TokenBook, fused: bool | None
         lo, hi = int(qsl_np[i]), int(qsl_np[i + 1])
         c = int(seq[i]) - (hi - lo)
         a, b = max(d0, c), min(d0 + k, c + hi - lo)
-        if b > a and arr is not None:
+        if b > a:
             arr[lo + a - c : lo + b - c] = drafts[a - d0 : b - d0]
         unknown |= bool((drafts < 0).any())
     valid = valid_t if valid_t is not None else torch.from_numpy(
