@@ -28,7 +28,8 @@ torch reported after the run. The canary runs on the engine's thread, inside the
 Workloads (``--model``): ``tiny`` (default), a random Llama saved to a temporary folder (``--layers`` 4,
 ``--hidden`` 256, 4 heads of 64, 2 KV heads, MLP 3 x hidden, vocab 512, fp32); ``--requests`` 32
 prompts on 3 shared 64-token prefixes plus 3 to 30 own tokens, ``--max-tokens`` 96 new tokens each.
-``real``: SmolLM2-135M-Instruct (:mod:`kvcanary.real_model`; 30 layers, 3 KV heads of 64) in bf16,
+``real``: SmolLM2-135M-Instruct (:mod:`kvcanary.real_model`; 30 layers, 3 KV heads of 64) in bf16 (``--dtype
+float32``: in fp32, for a machine without AVX-512, whose emulated bf16 products make forwards ten times longer),
 the demo's 8 chat questions under its system prompt, twice over (16 requests; the second ask of each
 hits the prefix cache), 64 new tokens each (``--requests`` and ``--max-tokens`` override). Greedy, at
 most 16 running, block size 32, prefix caching on. ``real`` needs the converted model: ``kvcanary
@@ -38,7 +39,7 @@ mode's wall time over off's in the same round; ``cpu_x_off`` the same for the ge
 seconds, which another tenant's load on a shared machine does not add to). Exit status 1 if any run reported a
 violation or an internal error, or generated other tokens than the first run.
 
-    .venv-vllm/bin/python bench/vllm_cpu.py [--model tiny|real] [--rounds 3] [--threads 1] [--bind] [--modes off,on,on_noaudit]
+    .venv-vllm/bin/python bench/vllm_cpu.py [--model tiny|real] [--dtype bfloat16|float32] [--rounds 3] [--threads 1] [--bind] [--modes off,on,on_noaudit]
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ MODES: dict[str, dict[str, str] | None] = {
 }
 
 
+SHORT = {"bfloat16": "bf16", "float32": "fp32"}  # the real model's dtypes (--dtype), as the lines name them
+
+
 def run_mode(mode: str, model: str, args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
     """One engine run of ``mode`` in its own process: the generate call's time and the canary's counters."""
     env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCANARY_")}
@@ -90,15 +94,16 @@ def real_workload(args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
     from kvcanary import real_model
     from kvcanary.real_model import QUESTIONS
 
-    path = real_model.target_dir("bfloat16")
+    dtype = getattr(args, "dtype", "bfloat16")
+    path = real_model.target_dir(dtype)
     if not real_model.is_converted(path):
         raise SystemExit(f"vllm_cpu.py --model real: expected the converted model at {path}; convert it once in "
                          f"the main environment: .venv/bin/python -m kvcanary demo (or "
-                         f"kvcanary.real_model.model_dir('bfloat16'))")
+                         f"kvcanary.real_model.model_dir('{dtype}'))")
     tok = AutoTokenizer.from_pretrained(path)
     asks = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
-    return path, {"dtype": "bfloat16", "prompt_ids": [real_model.chat_prompt(tok, q) for q in asks]}, \
-        f"{real_model.NAME} bf16"
+    return path, {"dtype": dtype, "prompt_ids": [real_model.chat_prompt(tok, q) for q in asks]}, \
+        f"{real_model.NAME} {SHORT[dtype]}"
 
 
 def line(rnd: int, mode: str, out: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +170,8 @@ def main() -> int:
     ap.add_argument("--model", default="tiny", choices=("tiny", "real"))
     ap.add_argument("--requests", type=int, help="default 32 (tiny), 16 (real)")
     ap.add_argument("--max-tokens", type=int, help="default 96 (tiny), 64 (real)")
+    ap.add_argument("--dtype", default="bfloat16", choices=tuple(SHORT),
+                    help="the real model's dtype (default bfloat16; float32 where bf16 products are emulated)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--compiled", action="store_true",
                     help="vLLM's default model execution (torch.compile) instead of --enforce-eager")

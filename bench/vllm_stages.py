@@ -2,7 +2,7 @@
 per layer call, for the per-layer stages) and its share of the canary's time, stages nested as the
 connector calls them, on the trained model (default) or the tiny random one.
 
-    .venv-vllm/bin/python bench/vllm_stages.py [--model real|tiny] [--threads 1] [--runs 2] [--set KVCANARY_X=V ...]
+    .venv-vllm/bin/python bench/vllm_stages.py [--model real|tiny] [--dtype bfloat16|float32] [--threads 1] [--runs 2] [--set KVCANARY_X=V ...]
         [--fine] [--compiled]
 
 Each run is an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) in a fresh process, eager
@@ -211,6 +211,8 @@ def run(cfg: dict[str, Any], threads: int, config: list[str], script: str = __fi
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", default="real", choices=("real", "tiny"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the real model's dtype (bench/vllm_cpu.py --dtype)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KVCANARY_X=V",
@@ -235,7 +237,7 @@ def main() -> int:
     from kvcanary.faults.vllm_runner import save_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="kvcanary-stages-") as tmp:
-        ns = argparse.Namespace(requests=16 if args.model == "real" else 32)
+        ns = argparse.Namespace(requests=16 if args.model == "real" else 32, dtype=args.dtype)
         if args.model == "real":
             model, extra, name = real_workload(ns)
         else:
