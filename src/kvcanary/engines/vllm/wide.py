@@ -83,8 +83,10 @@ class WideForward:
     """One forward's checks as one compiled call after it (every covered layer seen before and
     read by the compiled loop): inside each layer only its write check and fold before its attention
     (:meth:`before`) and a copy of its audited queries' rows after it (:meth:`keep`), since the engine
-    may reuse a layer's query and output memory in a later layer; after the forward every layer's
-    queries in one call of :func:`kvcanary.fused.audit.check_forward`."""
+    may reuse a layer's query, K, V and output memory in a later layer (a model compiled by
+    torch.compile does, even while the tensors are referenced: what a layer computed is read inside
+    it or copied); after the forward every layer's queries in one call of
+    :func:`kvcanary.fused.audit.check_forward`."""
 
     def __init__(self, base: WideBase, steps: np.ndarray, qt: np.ndarray, fl: np.ndarray, toks: np.ndarray,
                  fold: Fold) -> None:
