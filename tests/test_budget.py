@@ -268,3 +268,34 @@ def test_the_first_forward_is_charged_what_the_canary_did_since_it_started(monke
     # 10 ms of setup and 64 queries at 10 us against 1 % of 110 ms: 9.5 ms owed
     assert first_forward(10e-3) == pytest.approx(0.01 * 110e-3 - 10.64e-3)
     assert first_forward(0.0) == pytest.approx(0.01 * 100e-3 - 0.64e-3)
+
+
+def test_the_write_checked_tokens_are_one_array_per_count_until_the_range_grows():
+    """EngineAudit.pick_writes hands out the same views for the same token count (a plan made for them,
+    kvcanary.engines.vllm.wide.WideForward.again, runs again only on the same array), new ones for
+    another count, and new ones over the new range once it grows."""
+    import torch
+
+    from kvcanary.config import CanaryConfig
+    from kvcanary.engines.audit import EngineAudit
+
+    class _Adapter:
+        config = CanaryConfig()
+        seconds = 0.0
+
+    audit = EngineAudit(_Adapter(), 4)
+    cpu = torch.device("cpu")
+    audit.pick_writes(16, cpu)
+    toks, index = audit.write_tokens, audit.write_index
+    assert toks is not None and index is not None
+    assert toks.tolist() == list(range(16)) and index.tolist() == list(range(16))
+    audit.pick_writes(5, cpu)
+    assert audit.write_tokens is not toks and audit.write_tokens.tolist() == list(range(5))
+    audit.pick_writes(16, cpu)
+    assert audit.write_tokens is toks and audit.write_index is index  # the same count: the same arrays
+    audit.pick_writes(0, cpu)
+    assert audit.write_tokens is None and audit.write_index is None  # nothing written: nothing checked
+    audit.pick_writes(1000, cpu)  # past the range (256): made again, every view with it
+    assert audit.write_tokens.tolist() == list(range(1000))
+    audit.pick_writes(16, cpu)
+    assert audit.write_tokens is not toks and audit.write_tokens.tolist() == list(range(16))

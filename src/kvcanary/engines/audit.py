@@ -72,6 +72,7 @@ class EngineAudit:
         self._last = (time.perf_counter(), float(getattr(self.adapter, "seconds", 0.0)))
         self._stage: dict[str, int] = {}  # request -> 1 after its first audited forward, 2 after its first decode
         self._tokens: tuple[np.ndarray, torch.Tensor] | None = None  # 0 .. n-1 on the host and the device, grown
+        self._token_views: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # their first n, by n
         self._results: np.ndarray | None = None  # the one call's write-check results, reused (run_compiled)
         self.write_rows: bytes | None = None  # this forward's write-checked layer positions (1), None: every layer
         # seconds the adapter's per-layer direct paths spent in this forward, added up there in one list
@@ -105,8 +106,15 @@ class EngineAudit:
         if have is None or len(have[0]) < total or have[1].device != device:  # made again only to grow
             toks = np.arange(max(total, 2 * len(have[0]) if have is not None else 0, 256))
             have = self._tokens = (toks, to_device(device, [toks])[0])
-        self.write_tokens = have[0][:total]  # views, read only by the checks
-        self.write_index = have[1][:total]
+            self._token_views.clear()
+        # views, read only by the checks: the same objects forward after forward of one size (a slice is
+        # microseconds right after a forward, and a plan made for them is run again only on the same ones)
+        views = self._token_views.get(total)
+        if views is None:
+            if len(self._token_views) >= 64:
+                self._token_views.clear()
+            views = self._token_views[total] = (have[0][:total], have[1][:total])
+        self.write_tokens, self.write_index = views
 
     def sample(self, layers: Sequence[Hashable], lengths: np.ndarray | Sequence[int],
                starts: np.ndarray | Sequence[int], cached: np.ndarray | Sequence[int],

@@ -66,8 +66,10 @@ class WideBase:
         # and output's (WideForward.before): the same every forward of one shape
         self.loop_strides: dict[tuple[Any, Any], np.ndarray] = {}
         from kvcanary.fused import keep  # numba: imported once the engine runs
+        from kvcanary.fused._step import describe
 
         self.fused = keep  # the per-layer calls
+        self.describe = describe  # a step's descriptor (WideForward.again, each forward)
         self._entry: tuple[Any, Any] = (None, None)
 
     def keep_layer(self) -> Any:
@@ -187,14 +189,14 @@ class WideForward:
         tokens' writes (:meth:`reusable` held after the last one): its tables stay where they are, so
         the per-layer call's table of addresses is not made again; the steps' descriptors are copied
         into its own, the folds' sums zeroed, the per-forward state reset. ``False``, the plan left as
-        it was: the forward differs from this plan's in something its tables are shaped by."""
-        from kvcanary.fused._step import describe
-
+        it was: the forward differs from this plan's in something its tables are shaped by (its
+        write-checked tokens: the same array, :meth:`~kvcanary.engines.audit.EngineAudit.pick_writes`
+        hands out one per count)."""
         toks = audit.write_tokens if audit.write_tokens is not None else NO_TOKENS
-        if (base is not self.base or len(live) != len(self.steps) or fold_tokens != self.fold.acc.shape[1]
-                or len(toks) != len(self.toks)
-                or toks.__array_interface__["data"][0] != self.toks.__array_interface__["data"][0]):
+        if base is not self.base or len(live) != len(self.steps) or fold_tokens != self.fold.acc.shape[1] \
+                or toks is not self.toks:
             return False
+        describe = base.describe
         for i, g in enumerate(live):
             self.steps[i] = describe(g.step)
         self.fold.reset()
