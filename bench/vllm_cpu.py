@@ -88,7 +88,9 @@ def run_mode(mode: str, model: str, args: argparse.Namespace, extra: dict[str, A
 
 
 def real_workload(args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
-    """The trained model's directory, its runs' extra keys (dtype, chat prompts) and its name."""
+    """The trained model's directory, its runs' extra keys (dtype, chat prompts) and its name, for
+    ``args.requests`` requests in ``args.dtype`` (bf16 where ``args`` has no ``dtype``: the scripts that
+    take none run the model as the issue's figures do)."""
     from transformers import AutoTokenizer
 
     from kvcanary import real_model
